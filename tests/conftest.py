@@ -1,0 +1,28 @@
+"""Shared, session-scoped fixtures: tiny models are built once per session (and cached on disk)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Two cores here and in CI: more threads only add contention.
+torch.set_num_threads(int(os.environ.get("LIGHTNING_VLM_TEST_THREADS", "2")))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+
+@pytest.fixture(scope="session")
+def tiny_path():
+    """Returns a function family -> folder of that family's tiny VLM (built once, cached)."""
+    from lightning_vlm.models.tiny import tiny_vlm_path
+
+    cache: dict[str, str] = {}
+
+    def get(family: str = "qwen2_5_vl") -> str:
+        if family not in cache:
+            cache[family] = str(tiny_vlm_path(family))
+        return cache[family]
+
+    return get
