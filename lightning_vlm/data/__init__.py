@@ -1,0 +1,33 @@
+"""Data: the synthetic task, sources, row normalisation/validation and the DataModules."""
+
+from lightning_vlm.data.datamodule import (
+    PreferenceDataModule,
+    PromptDataModule,
+    RowDataset,
+    SFTDataModule,
+    VLMDataModule,
+    collate_rows,
+)
+from lightning_vlm.data.rows import RowError, load_row, normalize_row, open_image
+from lightning_vlm.data.sources import Source, SourceError, load_source, synthetic_source
+from lightning_vlm.data.synthetic import VOCABULARY, make_sample, synthetic_rows
+
+__all__ = [
+    "VOCABULARY",
+    "PreferenceDataModule",
+    "PromptDataModule",
+    "RowDataset",
+    "RowError",
+    "SFTDataModule",
+    "Source",
+    "SourceError",
+    "VLMDataModule",
+    "collate_rows",
+    "load_row",
+    "load_source",
+    "make_sample",
+    "normalize_row",
+    "open_image",
+    "synthetic_rows",
+    "synthetic_source",
+]

@@ -113,7 +113,10 @@ def _assistant_turn(text: str) -> list[dict]:
 
 def as_sft_row(sample: Sample) -> dict:
     """TRL's conversational SFT row: ``messages`` + ``images``."""
-    return {"messages": _user_turn(sample.question) + _assistant_turn(sample.answer), "images": [sample.image]}
+    return {
+        "messages": _user_turn(sample.question) + _assistant_turn(sample.answer),
+        "images": [sample.image],
+    }
 
 
 def as_preference_row(sample: Sample) -> dict:

@@ -1,0 +1,28 @@
+# The two commands a newcomer needs: `make train` and `make test` (each installs first, idempotently).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export HF_HUB_OFFLINE ?= 1
+export VLLM_TARGET_DEVICE ?= cpu
+
+.PHONY: install train test test-fast lint format bench
+
+install:
+	VENV=$(VENV) bash scripts/install.sh
+
+# The default job: SFT of a tiny offline Qwen2.5-VL on the synthetic task, on CPU (see README).
+train: install
+	$(PY) train.py $(ARGS)
+
+# Everything, slow learning and end-to-end tests included (CI runs this).
+test: install
+	$(PY) -m pytest -q $(ARGS)
+
+# Without the slow learning/end-to-end tests.
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .

@@ -1,0 +1,287 @@
+"""Normalise and validate raw rows (TRL's column names) into the one row format the methods consume.
+
+A normalised row always has ``images`` (a list; PIL images once loaded) and, by shape:
+
+- ``sft``: ``messages``;
+- ``preference``: ``prompt``, ``chosen``, ``rejected`` (the last two: assistant messages only);
+- ``prompt``: ``prompt``.
+
+Messages are ``{"role": str, "content": [block, ...]}`` with blocks exactly ``{"type": "image"}`` or
+``{"type": "text", "text": str}``. Any other column is passed through unchanged (``solution`` for
+reward functions, ids for debugging). Every problem raises :class:`RowError`, naming the row.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from PIL import Image
+
+SHAPES: tuple[str, ...] = ("sft", "preference", "prompt")
+REASONS: tuple[str, ...] = (
+    "missing_column",
+    "wrong_type",
+    "image_count_mismatch",
+    "missing_image",
+    "corrupt_image",
+)
+# Keys that would carry an image inside a content block; we only support images in the image columns,
+# so that the count check below has one place to look.
+_EMBEDDED_IMAGE_KEYS = ("image", "url", "path", "base64")
+
+# An image before loading: a PIL image, encoded bytes, or an absolute path.
+ImageRef = Image.Image | bytes | str
+
+
+class RowError(ValueError):
+    """A bad row: says which source, row index and column, and why (``reason`` is one of REASONS)."""
+
+    def __init__(self, source: str, index: int, column: str, reason: str, detail: str) -> None:
+        super().__init__(f"{source}, row {index}, column {column!r}: {detail} [{reason}]")
+        self.source, self.index, self.column, self.reason, self.detail = source, index, column, reason, detail
+
+
+class _Row:
+    """Where we are (for error messages) while normalising one row."""
+
+    def __init__(self, source: str, index: int) -> None:
+        self.source, self.index = source, index
+
+    def fail(self, column: str, reason: str, detail: str) -> NoReturn:
+        raise RowError(self.source, self.index, column, reason, detail)
+
+
+def _block(block: Any, at: _Row, column: str, where: str) -> dict:
+    if not isinstance(block, Mapping):
+        at.fail(
+            column,
+            "wrong_type",
+            f"{where} must be a dict like {{'type': 'text', 'text': ...}}, got {block!r}",
+        )
+    kind = block.get("type")
+    if kind == "text":
+        if not isinstance(block.get("text"), str):
+            at.fail(column, "wrong_type", f"{where} is a text block without a string 'text'")
+        return {"type": "text", "text": block["text"]}
+    if kind == "image":
+        embedded = [k for k in _EMBEDDED_IMAGE_KEYS if block.get(k) is not None]
+        if embedded:
+            at.fail(
+                column,
+                "wrong_type",
+                f"{where} carries its own image ({embedded[0]!r}); put images in the 'images' column "
+                "and leave a bare {'type': 'image'} block where each goes",
+            )
+        return {"type": "image"}
+    at.fail(column, "wrong_type", f"{where} has type {kind!r}; expected 'text' or 'image'")
+
+
+def _conversation(value: Any, at: _Row, column: str) -> tuple[list[dict], bool]:
+    """Normalised messages, and whether any content was given as typed blocks (not plain strings)."""
+    if not isinstance(value, Sequence) or isinstance(value, str) or not value:
+        at.fail(column, "wrong_type", f"expected a non-empty list of messages, got {type(value).__name__}")
+    messages, typed = [], False
+    for i, message in enumerate(value):
+        if not isinstance(message, Mapping):
+            at.fail(column, "wrong_type", f"message {i} must be a dict with 'role' and 'content'")
+        if not isinstance(message.get("role"), str):
+            at.fail(column, "wrong_type", f"message {i} has no string 'role'")
+        content = message.get("content")
+        if isinstance(content, str):
+            blocks = [{"type": "text", "text": content}]
+        elif isinstance(content, Sequence) and not isinstance(content, str):
+            typed = True
+            blocks = [_block(b, at, column, f"message {i}, block {j}") for j, b in enumerate(content)]
+        else:
+            at.fail(column, "wrong_type", f"message {i} content must be a string or a list of blocks")
+        # Stored datasets fill missing keys with None (Arrow unifies the struct); those are not data.
+        extra = {k: v for k, v in message.items() if v is not None and k not in ("role", "content")}
+        messages.append({"role": message["role"], "content": blocks, **extra})
+    return messages, typed
+
+
+def _text_or_conversation(value: Any, at: _Row, column: str, role: str) -> tuple[list[dict], bool]:
+    if isinstance(value, str):
+        return [{"role": role, "content": [{"type": "text", "text": value}]}], False
+    return _conversation(value, at, column)
+
+
+def _count_images(messages: list[dict]) -> int:
+    return sum(b["type"] == "image" for m in messages for b in m["content"])
+
+
+def _insert_image_blocks(messages: list[dict], n: int) -> None:
+    # Plain-string conversations cannot say where images go; like TRL, put them first in the first
+    # user turn (the only place a chat template can take them without a placeholder).
+    target = next((m for m in messages if m["role"] == "user"), messages[0])
+    target["content"] = [{"type": "image"} for _ in range(n)] + target["content"]
+
+
+def _resolve(path: str | os.PathLike, base_dir: Path | None) -> str:
+    path = Path(path).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    return str(path)
+
+
+def _image_ref(value: Any, at: _Row, column: str, base_dir: Path | None, check_files: bool) -> ImageRef:
+    if isinstance(value, Image.Image | bytes):
+        return value
+    if isinstance(value, Mapping):  # how `datasets` stores an undecoded Image feature
+        if value.get("bytes") is not None:
+            return value["bytes"]
+        value = value.get("path")
+    if isinstance(value, str | os.PathLike):
+        path = _resolve(value, base_dir)
+        if check_files and not os.path.isfile(path):
+            at.fail(column, "missing_image", f"image file not found: {path}")
+        return path
+    at.fail(
+        column, "wrong_type", f"an image must be a path, a PIL image or {{'bytes', 'path'}}, got {value!r}"
+    )
+
+
+def _image_refs(row: Mapping, at: _Row, base_dir: Path | None, check_files: bool) -> list[ImageRef]:
+    images, image = row.get("images"), row.get("image")
+    if images is not None and image is not None:
+        at.fail("images", "wrong_type", "row has both 'image' and 'images'; keep one")
+    if image is not None:
+        return [_image_ref(image, at, "image", base_dir, check_files)]
+    if images is None:
+        return []
+    if not isinstance(images, Sequence) or isinstance(images, str | bytes):
+        at.fail(
+            "images",
+            "wrong_type",
+            f"'images' must be a list, got {type(images).__name__}; use 'image' for one",
+        )
+    return [_image_ref(v, at, "images", base_dir, check_files) for v in images]
+
+
+def _require(row: Mapping, at: _Row, column: str) -> Any:
+    if row.get(column) is None:
+        at.fail(column, "missing_column", f"missing required column {column!r} (columns: {sorted(row)})")
+    return row[column]
+
+
+def _common_prefix(a: list[dict], b: list[dict]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _check_count(at: _Row, column: str, blocks: int, images: int) -> None:
+    if blocks != images:
+        at.fail(
+            column,
+            "image_count_mismatch",
+            f"{blocks} {{'type': 'image'}} block(s) in the messages but {images} image(s) in the row",
+        )
+
+
+def normalize_row(
+    row: Mapping,
+    shape: str,
+    index: int = 0,
+    source: str = "data",
+    base_dir: str | os.PathLike | None = None,
+    check_files: bool = True,
+) -> dict:
+    """Validate one raw row and return it normalised; images stay references (paths, bytes, PIL)."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown data shape {shape!r}; expected one of {SHAPES}")
+    at = _Row(source, index)
+    if not isinstance(row, Mapping):
+        at.fail("<row>", "wrong_type", f"a row must be a dict, got {type(row).__name__}")
+    base = Path(base_dir) if base_dir is not None else None
+    images = _image_refs(row, at, base, check_files)
+    out: dict[str, Any] = {}
+    if shape == "sft":
+        if (
+            row.get("messages") is None
+            and row.get("prompt") is not None
+            and row.get("completion") is not None
+        ):
+            # TRL's prompt-completion form: the completion is what is trained on.
+            prompt, typed_p = _text_or_conversation(row["prompt"], at, "prompt", "user")
+            completion, typed_c = _text_or_conversation(row["completion"], at, "completion", "assistant")
+            messages, typed, used = prompt + completion, typed_p or typed_c, ("prompt", "completion")
+        else:
+            messages, typed = _conversation(_require(row, at, "messages"), at, "messages")
+            used = ("messages",)
+        if images and not typed:
+            _insert_image_blocks(messages, len(images))
+        _check_count(at, used[0], _count_images(messages), len(images))
+        out["messages"] = messages
+    elif shape == "preference":
+        chosen_raw, rejected_raw = _require(row, at, "chosen"), _require(row, at, "rejected")
+        if row.get("prompt") is None:
+            if isinstance(chosen_raw, str) or isinstance(rejected_raw, str):
+                _require(row, at, "prompt")  # an implicit prompt needs conversations to split
+            # TRL's implicit-prompt form: full conversations; the shared prefix is the prompt.
+            chosen, typed_c = _conversation(chosen_raw, at, "chosen")
+            rejected, typed_r = _conversation(rejected_raw, at, "rejected")
+            n = _common_prefix(chosen, rejected)
+            if n == 0:
+                at.fail(
+                    "prompt", "missing_column", "no 'prompt' and 'chosen'/'rejected' share no first message"
+                )
+            if n == len(chosen) or n == len(rejected):
+                at.fail(
+                    "chosen", "wrong_type", "'chosen' and 'rejected' do not differ after their shared prompt"
+                )
+            prompt, chosen, rejected, typed = chosen[:n], chosen[n:], rejected[n:], typed_c or typed_r
+        else:
+            prompt, typed_p = _text_or_conversation(row["prompt"], at, "prompt", "user")
+            chosen, typed_c = _text_or_conversation(chosen_raw, at, "chosen", "assistant")
+            rejected, typed_r = _text_or_conversation(rejected_raw, at, "rejected", "assistant")
+            typed = typed_p or typed_c or typed_r
+        for column, messages in (("chosen", chosen), ("rejected", rejected)):
+            if any(m["role"] != "assistant" for m in messages):
+                at.fail(column, "wrong_type", f"'{column}' must hold assistant messages only")
+        if images and not typed:
+            _insert_image_blocks(prompt, len(images))
+        in_prompt = _count_images(prompt)
+        _check_count(at, "prompt", in_prompt + _count_images(chosen), len(images))
+        _check_count(at, "prompt", in_prompt + _count_images(rejected), len(images))
+        out.update(prompt=prompt, chosen=chosen, rejected=rejected)
+        used = ("prompt", "chosen", "rejected")
+    else:
+        prompt, typed = _text_or_conversation(_require(row, at, "prompt"), at, "prompt", "user")
+        if images and not typed:
+            _insert_image_blocks(prompt, len(images))
+        _check_count(at, "prompt", _count_images(prompt), len(images))
+        out["prompt"] = prompt
+        used = ("prompt",)
+    passthrough = {k: v for k, v in row.items() if k not in (*used, "image", "images")}
+    return {**passthrough, **out, "images": images}
+
+
+def open_image(ref: ImageRef, index: int = 0, source: str = "data", column: str = "images") -> Image.Image:
+    """Load one image reference as an RGB PIL image; a missing or corrupt file raises RowError."""
+    try:
+        if isinstance(ref, Image.Image):
+            return ref.convert("RGB")
+        with Image.open(io.BytesIO(ref) if isinstance(ref, bytes) else ref) as image:
+            image.load()  # decode now, so a truncated file fails here and not inside the model
+            return image.convert("RGB")
+    except FileNotFoundError as e:
+        raise RowError(source, index, column, "missing_image", f"image file not found: {ref}") from e
+    except (OSError, ValueError, SyntaxError) as e:  # PIL's errors for unreadable files
+        what = ref if isinstance(ref, str) else "image bytes"
+        raise RowError(source, index, column, "corrupt_image", f"cannot decode {what}: {e}") from e
+
+
+def load_row(
+    row: Mapping, shape: str, index: int = 0, source: str = "data", base_dir: str | os.PathLike | None = None
+) -> dict:
+    """Normalise one raw row and load its images (RGB PIL); the form DataModules yield."""
+    out = normalize_row(row, shape, index, source, base_dir, check_files=False)
+    column = "image" if row.get("image") is not None else "images"
+    out["images"] = [open_image(ref, index, source, column) for ref in out["images"]]
+    return out

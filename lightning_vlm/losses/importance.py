@@ -1,0 +1,89 @@
+"""Rollout/trainer mismatch correction: importance weights for completions sampled by vLLM.
+
+vLLM samples with its own kernels (and often another precision), so its log-probs differ from
+the trainer's even at identical weights; the policy gradient is then off-policy. The correction
+reweights the loss by ρ = π_trainer(y) / π_sampler(y) = exp(old_logps - sampler_logps), capped:
+"truncate" is truncated IS, w = min(ρ, C) (TIS, Yao et al. 2025, "Your Efficient RL Framework
+Secretly Brings You Off-Policy RL Training"); "mask" is masked IS, w = ρ if ρ ≤ C else 0 (MIS,
+Liu et al. 2025, "When Speed Kills Stability"), which drops the worst-mismatched samples instead
+of keeping them at weight C. TRL's ``vllm_importance_sampling_mode`` strings ("token_truncate",
+"sequence_mask", ...) map to (level, mode) through ``split_trl_mode``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+Level = Literal["token", "sequence"]
+Mode = Literal["truncate", "mask"]
+LEVELS: tuple[str, ...] = ("token", "sequence")
+MODES: tuple[str, ...] = ("truncate", "mask")
+
+
+def split_trl_mode(trl_mode: str) -> tuple[Level, Mode]:
+    """TRL's ``vllm_importance_sampling_mode`` (e.g. "sequence_mask") -> ("sequence", "mask")."""
+    level, _, mode = trl_mode.partition("_")
+    if level not in LEVELS or mode not in MODES:
+        valid = [f"{lv}_{md}" for lv in LEVELS for md in MODES]
+        raise ValueError(f"importance sampling mode must be one of {valid}, got {trl_mode!r}")
+    return level, mode  # type: ignore[return-value]
+
+
+def rollout_correction(
+    old_logps: torch.Tensor,
+    sampler_logps: torch.Tensor,
+    mask: torch.Tensor,
+    level: Level = "token",
+    mode: Mode = "truncate",
+    cap: float = 3.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Capped IS weights [N, T] (detached, 0 on padding) for trainer ``old_logps`` vs ``sampler_logps``.
+
+    "token": ρ_t = exp(old_t - sampler_t), one weight per token. "sequence": ρ_i =
+    exp(Σ_t (old_t - sampler_t)), the product of token ratios, i.e. the exact likelihood ratio of
+    the whole sampled completion, because the sample is drawn per sequence; a length-normalised
+    (GSPO-style geometric mean) ratio would be a biased correction and would hide a long sequence's
+    accumulated drift. Every token of sequence i carries ρ_i. Metrics, over tokens or sequences:
+    ratio mean/min/max before capping, "is_ratio/capped_frac" (truncated or masked), and the
+    k3 estimate of KL(π_sampler‖π_trainer) per token (samples come from the sampler).
+    """
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if cap <= 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    with torch.no_grad():
+        m = mask.to(old_logps.dtype)
+        token_log_ratio = (old_logps - sampler_logps).detach() * m
+        if level == "token":
+            log_w = token_log_ratio
+            units = mask.bool()
+        else:
+            log_w = token_log_ratio.sum(-1, keepdim=True)
+            units = mask.bool().any(-1, keepdim=True)
+        # Work in log space: a sequence's summed log-ratio easily exceeds exp's float32 range.
+        over = log_w > math.log(cap)
+        if mode == "truncate":
+            w = torch.exp(torch.clamp(log_w, max=math.log(cap)))
+        else:
+            w = torch.where(over, torch.zeros_like(log_w), torch.exp(torch.clamp(log_w, max=math.log(cap))))
+        weights = w.expand_as(m) * m
+
+        ratio = torch.exp(log_w)[units]  # may be inf for a wildly off sequence: logged as such
+        n_units = units.sum().clamp(min=1)
+        k3 = torch.exp(token_log_ratio) - token_log_ratio - 1.0  # 0 on padding since log-ratio is 0
+        empty = ratio.numel() == 0
+        zero = old_logps.new_zeros(())
+        metrics = {
+            "is_ratio/mean": zero if empty else ratio.mean(),
+            "is_ratio/min": zero if empty else ratio.min(),
+            "is_ratio/max": zero if empty else ratio.max(),
+            "is_ratio/capped_frac": (over & units).sum() / n_units,  # truncated or masked, by mode
+            "sampler_kl": (k3 * m).sum() / m.sum().clamp(min=1.0),
+            "sampler_logp_diff/max": (token_log_ratio.abs()).max() if m.numel() else zero,
+        }
+    return weights, metrics

@@ -1,0 +1,191 @@
+"""Clipped policy-gradient surrogate (PPO/GRPO/GSPO), k3 KL and the loss aggregations of TRL.
+
+All inputs are per-token log-probs of the sampled completion tokens, shape [N, T], with a 0/1
+completion ``mask`` [N, T]; advantages are per sequence [N]. Nothing here reads a model.
+
+Gradient accumulation and data parallelism. The token-sum losses ("dapo", "dr_grpo", and "grpo"
+given ``num_sequences_in_batch``) are linear in the per-token terms, so if every micro-batch
+divides by the normaliser of the *whole* generation batch (active tokens for "dapo", sequences for
+"dr_grpo"/"grpo"), the sum of the micro-batch losses equals the full-batch loss, and so do the
+gradients: batch 1 × accumulation 4 == batch 4 × accumulation 1. A local normaliser instead
+weighs a token by the length of its micro-batch. Two framework scalings must be undone by the
+caller: Lightning's automatic optimisation divides each micro-batch loss by
+``accumulate_grad_batches`` (multiply it back, or use manual optimisation), and DDP averages
+gradients over ranks (pass the global normaliser divided by the world size, as TRL does).
+"bnpo" is local by definition and is not accumulation-invariant.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Level = Literal["token", "sequence"]
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
+LEVELS: tuple[str, ...] = ("token", "sequence")
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of x over active tokens; 0 (not NaN) for an empty mask."""
+    mask = mask.to(x.dtype)
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _masked_min_max(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) of x over active tokens; (0, 0) for an empty mask."""
+    active = mask.bool()
+    if not active.any():
+        zero = x.new_zeros(())
+        return zero, zero
+    return x[active].min(), x[active].max()
+
+
+def importance_ratio(
+    logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: Level = "token"
+) -> torch.Tensor:
+    """Log importance ratio [N, T]: token log(π/π_old), or GSPO's sequence log s_i on every token.
+
+    "token" (PPO/GRPO): log r_it = logp_it - old_it.
+    "sequence" (GSPO, Zheng et al. 2025): log s_i = (1/|y_i|) Σ_t (logp_it - old_it), the
+    length-normalised sequence likelihood ratio. It is returned in the paper's GSPO-token form,
+    log s_it = sg[log s_i] + logp_it - sg[logp_it]: every token's value is log s_i, so clipping
+    acts per sequence, and ∂s_it/∂θ = s_i·∇logp_it. Averaged over a sequence's tokens this is
+    exactly GSPO's ∇s_i = s_i·(1/|y_i|) Σ_t ∇logp_it; under token-sum aggregations it equals
+    broadcasting the differentiable s_i to all tokens (TRL's form). Unlike that form it stays
+    correct when per-token weights (e.g. rollout IS weights) differ inside a sequence.
+    """
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+    log_ratio = logps - old_logps
+    if level == "token":
+        return log_ratio
+    m = mask.to(logps.dtype)
+    seq_log_ratio = (log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+    return logps - logps.detach() + seq_log_ratio.detach().unsqueeze(-1)
+
+
+def clipped_surrogate(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    level: Level = "token",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate (Schulman et al. 2017, eq. 7) per token: -min(r·A, clip(r, 1-ε_l, 1+ε_h)·A).
+
+    Asymmetric ε (DAPO's clip-higher, Yu et al. 2025); ``epsilon_high`` defaults to ``epsilon_low``
+    as in TRL. Stats over active tokens: "clip_ratio/low" (r < 1-ε_l with A < 0) and
+    "clip_ratio/high" (r > 1+ε_h with A > 0) are the tokens whose gradient the clip zeroes,
+    "clip_ratio/region" their union; "ratio/mean|min|max" describe r.
+    """
+    eps_high = epsilon_low if epsilon_high is None else epsilon_high
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    ratio = torch.exp(importance_ratio(logps, old_logps, mask, level))
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + eps_high) * adv
+    per_token = -torch.min(unclipped, clipped)
+
+    with torch.no_grad():
+        r = ratio.detach()
+        low = ((r < 1.0 - epsilon_low) & (adv < 0)).to(r.dtype)
+        high = ((r > 1.0 + eps_high) & (adv > 0)).to(r.dtype)
+        r_min, r_max = _masked_min_max(r, mask)
+        stats = {
+            "clip_ratio/low": _masked_mean(low, mask),
+            "clip_ratio/high": _masked_mean(high, mask),
+            "clip_ratio/region": _masked_mean(torch.clamp(low + high, max=1.0), mask),
+            "ratio/mean": _masked_mean(r, mask),
+            "ratio/min": r_min,
+            "ratio/max": r_max,
+        }
+    return per_token, stats
+
+
+def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(π‖π_ref) per token: exp(ref - logp) - (ref - logp) - 1 ≥ 0.
+
+    Unbiased under samples from π, always non-negative, zero iff logp == ref (GRPO eq. 4).
+    """
+    delta = ref_logps - logps
+    return torch.exp(delta) - delta - 1.0
+
+
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: LossType = "dapo",
+    max_completion_length: int | None = None,
+    num_items_in_batch: int | float | torch.Tensor | None = None,
+    num_sequences_in_batch: int | float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss [N, T] to a scalar, with TRL's ``loss_type`` semantics.
+
+    grpo (Shao et al. 2024): Σ_i (Σ_t l·m / Σ_t m) / N (sequence means; long answers weigh less).
+    bnpo: Σ l·m / Σ m over the local batch.
+    dr_grpo (Liu et al. 2025): Σ l·m / (N · max_completion_length), a constant normaliser;
+    ``max_completion_length`` defaults to T.
+    dapo (Yu et al. 2025): Σ l·m / (active tokens of the whole generation batch), passed as
+    ``num_items_in_batch`` (default: the local Σ m).
+    ``num_sequences_in_batch`` replaces N for grpo and dr_grpo (default: local N). See the module
+    docstring for why the normalisers must be global under gradient accumulation.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    m = mask.to(per_token.dtype)
+    masked = per_token * m
+    num_seqs = per_token.shape[0] if num_sequences_in_batch is None else num_sequences_in_batch
+    if loss_type == "grpo":
+        return (masked.sum(-1) / m.sum(-1).clamp(min=1.0)).sum() / num_seqs
+    if loss_type == "bnpo":
+        return masked.sum() / m.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        length = per_token.shape[-1] if max_completion_length is None else max_completion_length
+        return masked.sum() / (num_seqs * length)
+    tokens = m.sum().clamp(min=1.0) if num_items_in_batch is None else num_items_in_batch
+    return masked.sum() / tokens
+
+
+def policy_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ref_logps: torch.Tensor | None = None,
+    beta: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    level: Level = "token",
+    loss_type: LossType = "dapo",
+    is_weights: torch.Tensor | None = None,
+    max_completion_length: int | None = None,
+    num_items_in_batch: int | float | torch.Tensor | None = None,
+    num_sequences_in_batch: int | float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO objective (Shao et al. 2024, eq. 3): aggregate(w·surrogate + β·k3) -> (loss, detached metrics).
+
+    ``old_logps=None`` means on-policy (one optimisation step per generation): π_old = sg[π], so
+    r = 1 in value but gradients still flow. ``is_weights`` (from ``importance.rollout_correction``)
+    rescale only the surrogate, as in TRL: they correct for sampling from the rollout engine, while
+    the KL term is already an expectation under the trainer's own samples.
+    """
+    if old_logps is None:
+        old_logps = logps.detach()
+    per_token, metrics = clipped_surrogate(
+        logps, old_logps, advantages, mask, epsilon_low, epsilon_high, level
+    )
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach()
+        metrics["is_weight/mean"] = _masked_mean(is_weights.detach(), mask)
+    if ref_logps is not None and beta != 0.0:
+        kl = k3_kl(logps, ref_logps)
+        per_token = per_token + beta * kl
+        metrics["kl"] = _masked_mean(kl.detach(), mask)
+    loss = aggregate(
+        per_token, mask, loss_type, max_completion_length, num_items_in_batch, num_sequences_in_batch
+    )
+    return loss, metrics

@@ -1,0 +1,80 @@
+"""Supervised fine-tuning of a VLM on conversations: loss on assistant tokens only."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+from torchmetrics import MeanMetric
+
+from lightning_vlm.generation.base import SamplingSettings
+from lightning_vlm.generation.hf import HFGenerator
+from lightning_vlm.losses.sft import sft_loss, token_accuracy
+from lightning_vlm.methods.common import answer_accuracy_rows, configure_optimizers
+from lightning_vlm.models.vlm import VLM
+from lightning_vlm.rewards.accuracy import answers_match
+
+
+class SFT(L.LightningModule):
+    """SFT: NLL of the assistant turns; validation also scores held-out answers by greedy generation."""
+
+    def __init__(
+        self,
+        vlm: VLM,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+        max_length: int | None = None,
+        val_max_new_tokens: int = 16,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["vlm"])
+        self.vlm = vlm
+        self.generator = HFGenerator(vlm)
+        self.train_token_accuracy = MeanMetric()
+        self.val_loss = MeanMetric()
+        self.val_token_accuracy = MeanMetric()
+        self.val_answer_accuracy = MeanMetric()
+
+    def _loss_and_accuracy(self, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        inputs = self.vlm.encode_sft(rows, max_length=self.hparams.max_length)
+        inputs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in inputs.items()}
+        labels = inputs.pop("labels")
+        mask = labels != -100
+        logps, _, argmax = self.vlm.token_logps(inputs, mask, return_argmax=True)
+        correct, total = token_accuracy(argmax, labels, mask)
+        return sft_loss(logps, mask), correct, total
+
+    def training_step(self, rows: list[dict], batch_idx: int) -> torch.Tensor:
+        loss, correct, total = self._loss_and_accuracy(rows)
+        # forward() gives this batch's value for the step log; the epoch value is token-weighted and
+        # synced across devices by torchmetrics.
+        self.train_token_accuracy(correct / total.clamp(min=1), weight=total)
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(rows))
+        self.log(
+            "train/token_accuracy", self.train_token_accuracy, on_step=True, on_epoch=True, prog_bar=True,
+            batch_size=len(rows),
+        )  # fmt: skip
+        return loss
+
+    def validation_step(self, rows: list[dict], batch_idx: int) -> None:
+        loss, correct, total = self._loss_and_accuracy(rows)
+        self.val_loss.update(loss, weight=total)
+        self.val_token_accuracy.update(correct / total.clamp(min=1), weight=total)
+        prompts, references = answer_accuracy_rows(rows)
+        greedy = SamplingSettings(
+            max_new_tokens=self.hparams.val_max_new_tokens, temperature=0.0, do_sample=False
+        )
+        rollouts = self.generator.generate(prompts, num_generations=1, sampling=greedy)
+        hits = [
+            float(answers_match(text, ref))
+            for text, ref in zip(rollouts.completion_texts, references, strict=True)
+        ]
+        self.val_answer_accuracy.update(torch.tensor(hits, device=self.device))
+        self.log("val/loss", self.val_loss, batch_size=len(rows))
+        self.log("val/token_accuracy", self.val_token_accuracy, batch_size=len(rows))
+        self.log("val/answer_accuracy", self.val_answer_accuracy, prog_bar=True, batch_size=len(rows))
+
+    def configure_optimizers(self) -> Any:
+        return configure_optimizers(self, self.hparams.optimizer, self.hparams.scheduler)

@@ -1,0 +1,197 @@
+"""Rows -> model tensors: SFT (labels on assistant turns), prompts for generation, prompt+completion for RL.
+
+One processor call per batch does tokenisation, image processing and placeholder expansion; the
+chat template's own special tokens are kept as rendered (``add_special_tokens=False``, as
+``apply_chat_template(tokenize=True)`` does), so no second BOS appears.
+
+Assistant labels are found without ``{% generation %}`` markers (few templates have them): turn i
+spans from the end of ``render(messages[:i], add_generation_prompt=True)`` to the end of its
+end-of-turn token in ``render(messages[:i+1])``. Those character spans are moved through the
+processor's placeholder expansion (``return_text_replacement_offsets``) and matched to tokens
+through the tokenizer's offsets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from PIL import Image
+
+from .image_tokens import NUM_IMAGES_KEY, image_token_id
+
+IGNORE_INDEX = -100
+TYPE_ID_KEYS = ("token_type_ids", "mm_token_type_ids")
+
+
+def render(processor, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """The chat-templated text of ``messages`` (image blocks become the family's placeholder)."""
+    return processor.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+
+def assistant_char_spans(
+    processor, messages: list[dict], end_of_turn: str
+) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of its assistant turns (incl. end-of-turn)."""
+    text = render(processor, messages)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prefix = render(processor, messages[:i], add_generation_prompt=True)
+        upto = render(processor, messages[: i + 1])
+        if not (text.startswith(prefix) and text.startswith(upto) and upto.startswith(prefix)):
+            raise ValueError(
+                "the chat template does not render conversations prefix-stably (e.g. it rewrites earlier "
+                "turns), so assistant tokens cannot be located; pass labels yourself"
+            )
+        eot = upto.find(end_of_turn, len(prefix))
+        end = eot + len(end_of_turn) if eot >= 0 else len(upto)
+        spans.append((len(prefix), end))
+    return text, spans
+
+
+def _images_arg(images: Sequence[Sequence[Image.Image]]):
+    return [list(imgs) for imgs in images] if any(len(imgs) for imgs in images) else None
+
+
+def process(processor, texts: list[str], images, padding_side: str, **kwargs) -> dict:
+    """One processor call: padded tensors plus the family's image extras and ``num_images``."""
+    out = processor(
+        text=texts,
+        images=_images_arg(images),
+        return_tensors="pt",
+        padding=True,
+        padding_side=padding_side,
+        add_special_tokens=False,
+        **kwargs,
+    )
+    out = dict(out)
+    out[NUM_IMAGES_KEY] = torch.tensor([len(imgs) for imgs in images], dtype=torch.long)
+    return out
+
+
+def _expanded(pos: int, replacements: list[dict]) -> int:
+    # Placeholders before ``pos`` grew by (len(new) - len(old)) characters each.
+    shift = 0
+    for r in replacements:
+        (old_start, old_end), (new_start, new_end) = r["span"], r["new_span"]
+        if old_end <= pos:
+            shift += (new_end - new_start) - (old_end - old_start)
+    return pos + shift
+
+
+def encode_sft(processor, config, rows: list[dict], end_of_turn: str, max_length: int | None = None) -> dict:
+    """Right-padded training tensors; ``labels`` are -100 except on assistant turns (with end-of-turn).
+
+    ``max_length`` truncates from the right; a sample whose last image token lies beyond it raises
+    ``ValueError`` (cutting image placeholders breaks the forward, the top complaint of VLM trainers).
+    """
+    texts, spans = zip(
+        *(assistant_char_spans(processor, row["messages"], end_of_turn) for row in rows), strict=True
+    )
+    batch = process(
+        processor,
+        list(texts),
+        [row.get("images", []) for row in rows],
+        padding_side="right",
+        return_offsets_mapping=True,
+        return_text_replacement_offsets=True,
+    )
+    offsets = batch.pop("offset_mapping")
+    replacements = batch.pop("text_replacement_offsets", None) or [[] for _ in rows]
+    labels = torch.full_like(batch["input_ids"], IGNORE_INDEX)
+    for b, sample_spans in enumerate(spans):
+        starts, ends = offsets[b, :, 0], offsets[b, :, 1]
+        for lo, hi in sample_spans:
+            lo, hi = _expanded(lo, replacements[b]), _expanded(hi, replacements[b])
+            inside = (ends > starts) & (starts < hi) & (ends > lo)
+            labels[b, inside] = batch["input_ids"][b, inside]
+    labels[batch["attention_mask"] == 0] = IGNORE_INDEX
+    batch["labels"] = labels
+    if max_length is not None:
+        batch = _truncate_right(batch, max_length, image_token_id(config))
+    return batch
+
+
+def _truncate_right(batch: dict, max_length: int, image_id: int) -> dict:
+    lengths = batch["attention_mask"].sum(dim=1)
+    is_image = batch["input_ids"] == image_id
+    positions = torch.arange(is_image.shape[1]).expand_as(is_image)
+    last_image = torch.where(is_image, positions, -1).max(dim=1).values
+    for b in range(len(lengths)):
+        if lengths[b] > max_length and last_image[b] >= max_length:
+            raise ValueError(
+                f"sample {b}: {int(lengths[b])} tokens, max_length={max_length} would cut its image tokens "
+                f"(last at position {int(last_image[b])}); raise max_length or shrink the image "
+                "(e.g. processor_kwargs max_pixels)"
+            )
+    if batch["input_ids"].shape[1] <= max_length:
+        return batch
+    return {k: (v[:, :max_length] if _is_token_key(k, v, batch) else v) for k, v in batch.items()}
+
+
+def _is_token_key(key: str, value, batch: dict) -> bool:
+    return (
+        key in ("input_ids", "attention_mask", "labels", *TYPE_ID_KEYS)
+        and value.shape == batch["input_ids"].shape
+    )
+
+
+def encode_prompts(processor, prompts: list[list[dict]], images: Sequence[Sequence[Image.Image]]) -> dict:
+    """Left-padded prompts with the generation prompt appended, ready for ``generate``."""
+    texts = [render(processor, messages, add_generation_prompt=True) for messages in prompts]
+    return process(processor, texts, images, padding_side="left")
+
+
+def pad_completions(
+    completion_ids: Sequence[Sequence[int]], pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad ragged completions into ``(ids, mask)`` tensors."""
+    width = max((len(c) for c in completion_ids), default=0)
+    ids = torch.full((len(completion_ids), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(completion_ids), width), dtype=torch.long)
+    for i, c in enumerate(completion_ids):
+        ids[i, : len(c)] = torch.as_tensor(list(c), dtype=torch.long)
+        mask[i, : len(c)] = 1
+    return ids, mask
+
+
+def encode_prompt_completion(
+    prompt_inputs: dict,
+    completion_ids: torch.Tensor | Sequence[Sequence[int]],
+    completion_mask: torch.Tensor | None,
+    pad_token_id: int,
+) -> dict:
+    """Left-padded prompt + right-padded completion, with ``completion_mask`` over the full length.
+
+    Token type ids are extended with zeros for the completion, in the same concatenation as
+    ``input_ids``, so they cannot drift apart (TRL #5785). Image extras are carried unchanged.
+    """
+    if not isinstance(completion_ids, torch.Tensor):
+        completion_ids, ragged_mask = pad_completions(completion_ids, pad_token_id)
+        completion_mask = ragged_mask if completion_mask is None else completion_mask
+    if completion_mask is None:
+        completion_mask = torch.ones_like(completion_ids)
+    prompt_ids = prompt_inputs["input_ids"]
+    if prompt_ids.shape[0] != completion_ids.shape[0]:
+        raise ValueError(
+            f"{prompt_ids.shape[0]} prompts but {completion_ids.shape[0]} completions; repeat the prompts "
+            "first (image_tokens.repeat_samples)"
+        )
+    completion_ids = completion_ids.to(prompt_ids.device)
+    completion_mask = completion_mask.to(prompt_ids.device, prompt_inputs["attention_mask"].dtype)
+    # Masked completion positions hold the pad id, never a stray sampled token.
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_token_id)
+    out = {k: v for k, v in prompt_inputs.items() if k not in ("input_ids", "attention_mask", *TYPE_ID_KEYS)}
+    out["input_ids"] = torch.cat([prompt_ids, completion_ids], dim=1)
+    out["attention_mask"] = torch.cat([prompt_inputs["attention_mask"], completion_mask], dim=1)
+    out["completion_mask"] = torch.cat(
+        [torch.zeros_like(prompt_inputs["attention_mask"]), completion_mask], dim=1
+    )
+    for key in TYPE_ID_KEYS:
+        if key in prompt_inputs:
+            out[key] = torch.cat([prompt_inputs[key], torch.zeros_like(completion_ids)], dim=1)
+    return out

@@ -1,0 +1,70 @@
+"""The reference policy for KL terms and DPO: adapters switched off with LoRA, else a frozen copy.
+
+With LoRA the reference *is* the base model, so no second copy of the weights is made: each
+reference forward runs the policy's own model inside PEFT's ``disable_adapter()`` context. Without
+LoRA a deep copy is taken once at construction (so it is the policy's initial weights), put in
+eval mode and frozen. Either way :meth:`ReferenceModel.token_logps` runs under ``no_grad`` and in
+eval mode (no dropout), with the same encoding, image-token check and log-prob maths as the policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+
+from .vlm import VLM
+
+
+class ReferenceModel:
+    """Log-probs under the reference policy of ``vlm`` (adapter-disabled or a frozen initial copy)."""
+
+    def __init__(self, vlm: VLM) -> None:
+        self.vlm = vlm
+        self.copy: torch.nn.Module | None = None
+        if not vlm.is_lora:
+            self.copy = copy.deepcopy(vlm.hf_model).eval()
+            self.copy.requires_grad_(False)
+
+    @property
+    def shares_weights(self) -> bool:
+        """True when the reference is the policy with adapters disabled (no extra memory)."""
+        return self.copy is None
+
+    @contextlib.contextmanager
+    def _model(self):
+        if self.copy is not None:
+            yield self.copy
+            return
+        model = self.vlm.model
+        was_training = model.training
+        model.eval()
+        try:
+            with model.disable_adapter():
+                yield self.vlm.hf_model
+        finally:
+            model.train(was_training)
+
+    @torch.no_grad()
+    def token_logps(
+        self,
+        inputs: dict,
+        target_mask: torch.Tensor,
+        temperature: float = 1.0,
+        return_entropy: bool = False,
+        mask_suppressed: bool = False,
+        chunk_size: int = 1024,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Same contract as :meth:`VLM.token_logps`, under the reference policy and without gradients."""
+        with self._model() as model:
+            out = self.vlm._token_logps(
+                model, inputs, target_mask, temperature, return_entropy, mask_suppressed, chunk_size
+            )
+        return out[:2]
+
+    def to(self, *args, **kwargs) -> ReferenceModel:
+        """Move the frozen copy (a no-op for the adapter-disabled reference)."""
+        if self.copy is not None:
+            self.copy.to(*args, **kwargs)
+        return self

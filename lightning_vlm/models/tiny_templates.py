@@ -1,0 +1,59 @@
+"""Jinja chat templates of the tiny VLMs, in each family's usual turn format."""
+
+from __future__ import annotations
+
+
+def _blocks(image: str, role_expr: str, end: str, generation_prompt: str, bos: str = "") -> str:
+    """A Jinja chat template rendering typed content blocks (or plain strings) turn by turn.
+
+    The assistant's text sits in a ``{% generation %}`` block so processors can return an
+    assistant-token mask; ``end`` closes every turn and is the eos used for generation.
+    """
+    content = (
+        "{%- if message['content'] is string -%}{{ message['content'] }}"
+        "{%- else -%}{%- for block in message['content'] -%}"
+        "{%- if block['type'] == 'image' -%}{{ '" + image + "' }}"
+        "{%- elif block['type'] == 'text' -%}{{ block['text'] }}"
+        "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    )
+    return (
+        ("{{- '" + bos + "' -}}" if bos else "")
+        + "{%- for message in messages -%}{{- "
+        + role_expr
+        + " -}}"
+        + "{%- if message['role'] == 'assistant' -%}{%- generation -%}"
+        + content
+        + "{{- '"
+        + end
+        + "' -}}{%- endgeneration -%}{{- '\\n' -}}"
+        + "{%- else -%}"
+        + content
+        + "{{- '"
+        + end
+        + "\\n' -}}{%- endif -%}{%- endfor -%}"
+        + "{%- if add_generation_prompt -%}{{- '"
+        + generation_prompt
+        + "' -}}{%- endif -%}"
+    )
+
+
+_IM_ROLE = "'<|im_start|>' + message['role'] + '\\n'"
+
+QWEN_TEMPLATE = _blocks(
+    "<|vision_start|><|image_pad|><|vision_end|>", _IM_ROLE, "<|im_end|>", "<|im_start|>assistant\\n"
+)
+LLAVA_TEMPLATE = _blocks("<image>\\n", _IM_ROLE, "<|im_end|>", "<|im_start|>assistant\\n")
+GEMMA3_TEMPLATE = _blocks(
+    "<start_of_image>",
+    "'<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n'",
+    "<end_of_turn>",
+    "<start_of_turn>model\\n",
+    bos="<bos>",
+)
+IDEFICS3_TEMPLATE = _blocks(
+    "<image>",
+    "('<|im_start|>' if loop.first else '') + message['role'] | capitalize + ':' "
+    "+ ('' if message['content'] is not string and message['content'][0]['type'] == 'image' else ' ')",
+    "<end_of_utterance>",
+    "Assistant:",
+)

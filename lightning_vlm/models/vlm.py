@@ -1,0 +1,269 @@
+"""The VLM wrapper every method uses: loading, LoRA, freezing, encoding, image-token check, log-probs."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from . import encoding
+from .image_tokens import NUM_IMAGES_KEY, QWEN_FAMILIES, check_image_tokens
+from .logprobs import scatter_to_tokens, scored_positions, selective_logps
+
+# Keys the encoders add for our own use; the HF model must not see them.
+PRIVATE_KEYS = (NUM_IMAGES_KEY, "labels", "completion_mask")
+VISION_ATTRS = ("visual", "vision_tower", "vision_model")
+LANGUAGE_ATTRS = ("language_model", "text_model")
+# Processor attributes naming vision special tokens, across families.
+VISION_TOKEN_ATTRS = (
+    "image_token", "video_token", "boi_token", "eoi_token", "fake_image_token", "global_image_tag",
+    "vision_start_token", "vision_end_token", "image_start_token", "image_end_token",
+)  # fmt: skip
+VISION_CONFIG_ID = re.compile(
+    r"^(image|video|vision|boi|eoi)_.*token_(id|index)$|^(image|video)_token_(id|index)$"
+)
+# Fallback end-of-turn names when the template probe finds nothing.
+END_OF_TURN_NAMES = ("<|im_end|>", "<end_of_turn>", "<end_of_utterance>", "<|eot_id|>", "<|end|>")
+
+
+def _dtype(name: str):
+    return "auto" if name == "auto" else getattr(torch, name)
+
+
+class VLM(torch.nn.Module):
+    """A Hugging Face image-text-to-text model with its processor, and the per-token maths methods need."""
+
+    def __init__(
+        self,
+        model_name_or_path: str,
+        dtype: str = "float32",
+        attn_implementation: str | None = None,
+        lora: dict | None = None,
+        freeze_vision_tower: bool = True,
+        gradient_checkpointing: bool = False,
+        processor_kwargs: dict | None = None,
+        model_kwargs: dict | None = None,
+        trust_remote_code: bool = False,
+    ) -> None:
+        super().__init__()
+        self.model_name_or_path = model_name_or_path
+        self.processor = AutoProcessor.from_pretrained(
+            model_name_or_path, trust_remote_code=trust_remote_code, **(processor_kwargs or {})
+        )
+        self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        model = AutoModelForImageTextToText.from_pretrained(
+            model_name_or_path,
+            dtype=_dtype(dtype),
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+            **(model_kwargs or {}),
+        )
+        self.model_type: str = model.config.model_type
+        if freeze_vision_tower:
+            for p in self._find(model, VISION_ATTRS).parameters():
+                p.requires_grad_(False)
+        if gradient_checkpointing:
+            # Non-reentrant: works with frozen embeddings and LoRA without enable_input_require_grads.
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
+        if lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            kwargs = dict(lora)
+            kwargs.setdefault("target_modules", self.language_lora_targets(model))
+            kwargs.setdefault("task_type", "CAUSAL_LM")
+            model = get_peft_model(model, LoraConfig(**kwargs))
+        self.model = model
+        self.pad_token_id: int = (
+            self.tokenizer.pad_token_id
+            if self.tokenizer.pad_token_id is not None
+            else (self.tokenizer.eos_token_id)
+        )
+        self.end_of_turn: str = self._end_of_turn_token()
+        self.end_of_turn_id: int = self.tokenizer.convert_tokens_to_ids(self.end_of_turn)
+        self.suppressed_token_ids: list[int] = self._vision_special_ids()
+
+    # ---- structure, across families and through PEFT -------------------------------------------------
+    @property
+    def is_lora(self) -> bool:
+        """Whether the model carries PEFT adapters (the reference is then the adapter-disabled model)."""
+        return hasattr(self.model, "disable_adapter") and hasattr(self.model, "peft_config")
+
+    @property
+    def hf_model(self) -> torch.nn.Module:
+        """The underlying ``*ForConditionalGeneration`` (PEFT unwrapped; adapters stay injected)."""
+        return self.model.get_base_model() if self.is_lora else self.model
+
+    @property
+    def config(self):
+        """The HF model config."""
+        return self.hf_model.config
+
+    @staticmethod
+    def _find(model: torch.nn.Module, attrs: Sequence[str]) -> torch.nn.Module:
+        inner = model.model
+        for attr in attrs:
+            if hasattr(inner, attr):
+                return getattr(inner, attr)
+        raise AttributeError(f"{type(inner).__name__} has none of {attrs}")
+
+    @property
+    def vision_tower(self) -> torch.nn.Module:
+        """The vision encoder (``visual`` / ``vision_tower`` / ``vision_model``)."""
+        return self._find(self.hf_model, VISION_ATTRS)
+
+    @property
+    def language_model(self) -> torch.nn.Module:
+        """The text decoder, without the LM head."""
+        return self._find(self.hf_model, LANGUAGE_ATTRS)
+
+    @property
+    def backbone(self) -> torch.nn.Module:
+        """Vision tower + projector + decoder: returns last hidden states, never logits."""
+        return self.hf_model.model
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        """The output projection to the vocabulary."""
+        return self.hf_model.get_output_embeddings()
+
+    @classmethod
+    def language_lora_targets(cls, model: torch.nn.Module) -> str:
+        """A PEFT regex matching the decoder's linear layers only (vision tower and projector excluded)."""
+        language = cls._find(model, LANGUAGE_ATTRS)
+        prefix = next(name for name, module in model.named_modules() if module is language)
+        leaves = sorted(
+            {n.rsplit(".", 1)[-1] for n, m in language.named_modules() if isinstance(m, torch.nn.Linear)}
+        )
+        return rf"{re.escape(prefix)}\..*\.({'|'.join(map(re.escape, leaves))})"
+
+    def _end_of_turn_token(self) -> str:
+        # Render a one-exchange chat and take the first special token after the assistant's text.
+        probe = [
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "ZQXJ"}]},
+        ]
+        try:
+            tail = encoding.render(self.processor, probe).split("ZQXJ", 1)[1]
+            specials = set(self.tokenizer.all_special_tokens) | set(self.tokenizer.get_added_vocab())
+            for token in self.tokenizer.tokenize(tail):
+                if token in specials:
+                    return token
+        except (IndexError, ValueError, TypeError):
+            pass
+        vocab = self.tokenizer.get_vocab()
+        return next((name for name in END_OF_TURN_NAMES if name in vocab), self.tokenizer.eos_token)
+
+    def _vision_special_ids(self) -> list[int]:
+        # Every image/video/vision marker: a weak model samples them, and the next forward then fails.
+        ids = {
+            int(v)
+            for k, v in self.config.to_dict().items()
+            if VISION_CONFIG_ID.match(k) and isinstance(v, int)
+        }
+        vocab = self.tokenizer.get_vocab()
+        for attr in VISION_TOKEN_ATTRS:
+            token = getattr(self.processor, attr, None) or getattr(self.tokenizer, attr, None)
+            if isinstance(token, str) and token in vocab:
+                ids.add(vocab[token])
+        ids |= {i for t, i in vocab.items() if re.fullmatch(r"<row_\d+_col_\d+>", t)}  # Idefics3 tiles
+        keep = {self.end_of_turn_id, self.pad_token_id, self.tokenizer.eos_token_id}
+        return sorted(i for i in ids if i not in keep and i < self.lm_head.out_features)
+
+    # ---- encoding ----------------------------------------------------------------------------------------
+    def encode_sft(self, rows: list[dict], max_length: int | None = None) -> dict:
+        """SFT rows -> right-padded tensors with assistant-only ``labels`` (see ``encoding.encode_sft``)."""
+        return encoding.encode_sft(self.processor, self.config, rows, self.end_of_turn, max_length)
+
+    def encode_prompts(
+        self, prompts: list[list[dict]], images: Sequence[Sequence[Image.Image]] | None = None
+    ) -> dict:
+        """Prompts (message lists) and their images -> left-padded tensors for generation."""
+        return encoding.encode_prompts(self.processor, prompts, images or [[] for _ in prompts])
+
+    def encode_prompt_completion(
+        self,
+        prompts: dict | list[dict],
+        completion_ids: torch.Tensor | Sequence[Sequence[int]],
+        completion_mask: torch.Tensor | None = None,
+    ) -> dict:
+        """Prompt rows (or encoded prompts) + completions -> RL training tensors with ``completion_mask``."""
+        if isinstance(prompts, list):
+            prompts = self.encode_prompts(
+                [r["prompt"] for r in prompts], [r.get("images", []) for r in prompts]
+            )
+        return encoding.encode_prompt_completion(prompts, completion_ids, completion_mask, self.pad_token_id)
+
+    # ---- forward -----------------------------------------------------------------------------------------
+    def model_inputs(self, inputs: dict) -> dict:
+        """What the HF model receives: private keys dropped, padding-aware ``position_ids`` added."""
+        out = {k: v for k, v in inputs.items() if k not in PRIVATE_KEYS}
+        if "attention_mask" in out and "position_ids" not in out and self.model_type not in QWEN_FAMILIES:
+            # generate() numbers positions over real tokens; do the same so left padding gives equal logps.
+            # (Qwen computes its 3-D rope positions from the attention mask itself.)
+            mask = out["attention_mask"]
+            out["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        return out
+
+    def check_image_tokens(self, inputs: dict) -> None:
+        """Raise ``ValueError`` naming the sample whose image tokens and image tensors disagree."""
+        check_image_tokens(inputs, self.config)
+
+    def forward(self, inputs: dict, **kwargs):
+        """The HF model's forward (full logits) after the image-token check."""
+        self.check_image_tokens(inputs)
+        return self.model(**self.model_inputs(inputs), **kwargs)
+
+    def hidden_states(self, inputs: dict, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """Last hidden states [B, L, H] from the backbone (no LM head, so no [B, L, V] logits)."""
+        self.check_image_tokens(inputs)
+        backbone = (model or self.hf_model).model
+        return backbone(**self.model_inputs(inputs), use_cache=False).last_hidden_state
+
+    def token_logps(
+        self,
+        inputs: dict,
+        target_mask: torch.Tensor,
+        temperature: float = 1.0,
+        return_entropy: bool = False,
+        mask_suppressed: bool = False,
+        chunk_size: int = 1024,
+        return_argmax: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
+        """Per-token log-probs [B, L] of the tokens in ``target_mask`` (token t scored from state t-1).
+
+        Returns ``(logps, entropy or None)``, plus the argmax token ids [B, L] (for token accuracy)
+        when ``return_argmax``. Zeros (argmax: -100) where ``target_mask`` is False.
+        ``temperature`` divides the logits (as TRL). ``mask_suppressed`` renormalises over the vocabulary
+        without ``suppressed_token_ids``, i.e. the distribution the generators sample from.
+        """
+        out = self._token_logps(self.hf_model, inputs, target_mask, temperature, return_entropy,
+                                mask_suppressed, chunk_size)  # fmt: skip
+        return out if return_argmax else out[:2]
+
+    def _token_logps(
+        self, model, inputs, target_mask, temperature, return_entropy, mask_suppressed, chunk_size
+    ):
+        hidden = self.hidden_states(inputs, model)
+        batch_idx, token_idx = scored_positions(target_mask.to(hidden.device))
+        targets = inputs["input_ids"][batch_idx, token_idx]
+        logps, entropy, argmax = selective_logps(
+            hidden[batch_idx, token_idx - 1],
+            targets,
+            model.get_output_embeddings(),
+            temperature=temperature,
+            return_entropy=return_entropy,
+            suppressed_ids=self.suppressed_token_ids if mask_suppressed else None,
+            chunk_size=chunk_size,
+        )
+        shape = target_mask.shape
+        logps = scatter_to_tokens(logps, batch_idx, token_idx, shape)
+        if entropy is not None:
+            entropy = scatter_to_tokens(entropy, batch_idx, token_idx, shape)
+        argmax = torch.full(shape, -100, dtype=torch.long, device=argmax.device).index_put(
+            (batch_idx, token_idx), argmax
+        )
+        return logps, entropy, argmax

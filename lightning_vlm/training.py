@@ -1,0 +1,75 @@
+"""The training entry point behind train.py: compose -> instantiate -> fit -> metric."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import hydra
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+import lightning_vlm.config  # noqa: F401  (registers the ${tiny_vlm:...} resolver)
+
+log = logging.getLogger(__name__)
+
+
+def instantiate_group(cfg: DictConfig | None) -> list[Any]:
+    """Instantiates every `_target_` node of a callbacks/logger group (a dict of nodes)."""
+    if not cfg:
+        return []
+    return [
+        hydra.utils.instantiate(node)
+        for node in cfg.values()
+        if isinstance(node, DictConfig) and "_target_" in node
+    ]
+
+
+def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
+    """Runs one training job; returns the final logged metrics and the objects it built."""
+    if cfg.get("seed") is not None:
+        L.seed_everything(cfg.seed, workers=True)
+    if cfg.get("float32_matmul_precision"):
+        torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
+
+    log.info("Instantiating datamodule <%s>", cfg.data._target_)
+    datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
+    log.info("Instantiating model <%s>", cfg.model._target_)
+    vlm = hydra.utils.instantiate(cfg.model)
+    log.info("Instantiating method <%s>", cfg.method._target_)
+    # The method receives the network (Lightning style: the system apart from the model).
+    module: L.LightningModule = hydra.utils.instantiate(cfg.method, vlm=vlm)
+
+    callbacks = instantiate_group(cfg.get("callbacks"))
+    loggers = instantiate_group(cfg.get("logger"))
+    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+
+    for lg in loggers:
+        lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    initial: dict[str, float] = {}
+    if cfg.get("validate_before_fit"):
+        initial = {
+            k: float(v) for k, v in trainer.validate(module, datamodule=datamodule, verbose=False)[0].items()
+        }
+        log.info("Metrics before training: %s", initial)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
+    log.info("Final metrics: %s", metrics)
+    return metrics, {
+        "initial_metrics": initial,
+        "trainer": trainer,
+        "module": module,
+        "datamodule": datamodule,
+        "cfg": cfg,
+    }
+
+
+def metric_value(metrics: dict[str, float], name: str | None) -> float | None:
+    """The value a sweeper optimises; a clear error when the configured metric was never logged."""
+    if not name:
+        return None
+    if name not in metrics:
+        raise KeyError(f"optimized_metric={name!r} was not logged; logged metrics: {sorted(metrics)}")
+    return metrics[name]

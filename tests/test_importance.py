@@ -1,0 +1,82 @@
+"""vLLM rollout/trainer importance correction (TIS truncate, MIS mask) against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_vlm.losses.importance import rollout_correction, split_trl_mode
+
+L2, L4, L15 = math.log(2), math.log(4), math.log(1.5)
+# old - sampler per token: row 0 ratios 2, 0.5, 4; row 1 ratios 1.5, 1, padding
+OLD = torch.zeros(2, 3)
+SAMPLER = torch.tensor([[-L2, L2, -L4], [-L15, 0.0, 7.0]])
+MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
+TOKEN_RATIOS = [2.0, 0.5, 4.0, 1.5, 1.0]
+
+
+def close(actual: torch.Tensor, expected: list[list[float]] | float) -> None:
+    """Assert closeness to a hand-written value."""
+    torch.testing.assert_close(actual, torch.tensor(expected, dtype=actual.dtype), rtol=1e-5, atol=1e-6)
+
+
+def test_token_truncate_caps_each_token():
+    w, m = rollout_correction(OLD, SAMPLER, MASK, "token", "truncate", cap=3.0)
+    close(w, [[2.0, 0.5, 3.0], [1.5, 1.0, 0.0]])
+    close(m["is_ratio/capped_frac"], 1 / 5)
+    close(m["is_ratio/mean"], sum(TOKEN_RATIOS) / 5)
+    close(m["is_ratio/min"], 0.5)
+    close(m["is_ratio/max"], 4.0)
+
+
+def test_token_mask_zeroes_tokens_over_cap():
+    w, m = rollout_correction(OLD, SAMPLER, MASK, "token", "mask", cap=3.0)
+    close(w, [[2.0, 0.5, 0.0], [1.5, 1.0, 0.0]])
+    close(m["is_ratio/capped_frac"], 1 / 5)
+
+
+def test_sequence_level_uses_product_of_token_ratios():
+    # row 0: 2 · 0.5 · 4 = 4 > cap; row 1: 1.5 · 1 = 1.5
+    w, m = rollout_correction(OLD, SAMPLER, MASK, "sequence", "truncate", cap=3.0)
+    close(w, [[3.0, 3.0, 3.0], [1.5, 1.5, 0.0]])
+    close(m["is_ratio/capped_frac"], 1 / 2)
+    close(m["is_ratio/mean"], (4.0 + 1.5) / 2)
+    close(m["is_ratio/min"], 1.5)
+    close(m["is_ratio/max"], 4.0)
+    w, m = rollout_correction(OLD, SAMPLER, MASK, "sequence", "mask", cap=3.0)
+    close(w, [[0.0, 0.0, 0.0], [1.5, 1.5, 0.0]])
+    close(m["is_ratio/capped_frac"], 1 / 2)
+
+
+def test_sampler_kl_is_k3_token_mean():
+    _, m = rollout_correction(OLD, SAMPLER, MASK, "token", "truncate")
+    # k3 with ρ = π_trainer/π_sampler under sampler samples: ρ - log ρ - 1
+    close(m["sampler_kl"], sum(r - math.log(r) - 1 for r in TOKEN_RATIOS) / 5)
+    close(m["sampler_logp_diff/max"], L4)
+
+
+def test_weights_are_detached_and_equal_logps_give_ones():
+    old = torch.randn(2, 4, requires_grad=True)
+    w, m = rollout_correction(old, old.detach().clone(), torch.ones(2, 4), "sequence", "mask")
+    assert not w.requires_grad
+    close(w, [[1.0] * 4] * 2)
+    close(m["sampler_kl"], 0.0)
+
+
+def test_long_sequence_overflow_does_not_make_nan():
+    # Σ log-ratio = 100 overflows exp in float32; weights must still be finite
+    old = torch.ones(1, 100)
+    for mode, expected in (("truncate", 3.0), ("mask", 0.0)):
+        w, _ = rollout_correction(old, torch.zeros(1, 100), torch.ones(1, 100), "sequence", mode)
+        assert torch.isfinite(w).all() and w.eq(expected).all()
+
+
+def test_split_trl_mode_and_errors():
+    assert split_trl_mode("sequence_mask") == ("sequence", "mask")
+    assert split_trl_mode("token_truncate") == ("token", "truncate")
+    with pytest.raises(ValueError, match="token_truncate"):
+        split_trl_mode("token_clip")
+    with pytest.raises(ValueError, match="mode"):
+        rollout_correction(OLD, SAMPLER, MASK, "token", "clip")  # type: ignore[arg-type]

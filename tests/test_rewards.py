@@ -1,0 +1,411 @@
+"""Reward functions as plain callables: built-ins, the weighted scorer and a reward model."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_vlm.data.synthetic import synthetic_rows
+from lightning_vlm.rewards import (
+    RewardFunctionError,
+    RewardModel,
+    RewardScorer,
+    accuracy_reward,
+    answer_format_reward,
+    completion_text,
+    length_reward,
+    reward_name,
+    think_format_reward,
+)
+
+PROMPT = [
+    {"role": "user", "content": [{"type": "image", "text": None}, {"type": "text", "text": "What color?"}]}
+]
+
+
+# ---------------------------------------------------------------- built-in reward functions
+
+
+def test_accuracy_reward_right_wrong_and_missing_solution():
+    completions = ["red", "<think>it is blue</think><answer>Blue</answer>", "green", "red", "3"]
+    solution = ["red", "blue", "red", None, 3]
+    assert accuracy_reward(completions, solution=solution, prompts=[PROMPT] * 5, extra=[0] * 5) == [
+        1.0,
+        1.0,
+        0.0,
+        None,
+        1.0,
+    ]
+    # Empty or NaN references (pandas) are rows without a solution too.
+    assert accuracy_reward(["red", "red"], solution=["  ", float("nan")]) == [None, None]
+
+
+def test_accuracy_reward_without_solution_column_says_so():
+    with pytest.raises(ValueError, match=r"`solution` column.*\['answer', 'prompts'\]"):
+        accuracy_reward(["red"], prompts=[PROMPT], answer=["red"])
+
+
+def test_accuracy_reward_on_synthetic_prompt_rows_and_conversational_completions():
+    rows = synthetic_rows("prompt", 4, seed=1)
+    solutions = [r["solution"] for r in rows]
+    right = [[{"role": "assistant", "content": s}] for s in solutions]
+    typed = [[{"role": "assistant", "content": [{"type": "text", "text": f"The {s}."}]}] for s in solutions]
+    assert accuracy_reward(right, solution=solutions) == [1.0] * 4
+    assert accuracy_reward(typed, solution=solutions) == [1.0] * 4
+    assert accuracy_reward(["nothing"] * 4, solution=solutions) == [0.0] * 4
+    assert completion_text(typed[0]) == f"The {solutions[0]}."
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("<think>red things</think><answer>red</answer>", 1.0),
+        ("  <think>\nline one\nline two\n</think>\n\n<answer> red </answer>\n", 1.0),
+        ("<think></think><answer>red</answer>", 1.0),
+        ("<think>x</think><answer>  </answer>", 0.0),
+        ("<answer>red</answer>", 0.0),
+        ("<think>x</think>red", 0.0),
+        ("I think <think>x</think><answer>red</answer>", 0.0),
+        ("<think>x</think><answer>red</answer> trailing", 0.0),
+        ("<think>x</think><answer>a</answer><answer>b</answer>", 0.0),
+        ("<think>a<think>b</think><answer>red</answer>", 0.0),
+        ("<THINK>x</THINK><ANSWER>red</ANSWER>", 0.0),
+    ],
+)
+def test_think_format_reward(completion, expected):
+    assert think_format_reward([completion], solution=["red"]) == [expected]
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("<answer>red</answer>", 1.0),
+        ("Let me look. <answer>red</answer>", 1.0),
+        ("<think>x</think><answer>red</answer>", 1.0),
+        ("<answer></answer>", 0.0),
+        ("red", 0.0),
+        ("<answer>a</answer><answer>b</answer>", 0.0),
+        ("<answer>a<answer>b</answer>", 0.0),
+        ("<answer>red", 0.0),
+        ("<answer>red</answer></answer>", 0.0),
+    ],
+)
+def test_answer_format_reward(completion, expected):
+    assert answer_format_reward([completion]) == [expected]
+
+
+def test_length_reward_is_dapo_soft_overlong_punishment():
+    ids = [[0] * n for n in (0, 6, 7, 8, 9, 10, 11, 50)]
+    rewards = length_reward(["x"] * len(ids), completion_ids=ids, max_length=10, cache_length=4)
+    assert rewards == pytest.approx([0.0, 0.0, -0.25, -0.5, -0.75, -1.0, -1.0, -1.0])
+    # A hard cut without a cache; text units when there are no token ids.
+    assert length_reward(["abc", "abcd"], max_length=3, unit="chars") == [0.0, -1.0]
+    assert length_reward(["a b", "a b c", "a b c d e"], max_length=4, cache_length=2, unit="words") == [
+        0.0,
+        -0.5,
+        -1.0,
+    ]
+
+
+def test_length_reward_settings_are_checked():
+    with pytest.raises(ValueError, match="completion_ids"):
+        length_reward(["abc"], max_length=3)
+    with pytest.raises(ValueError, match="unit"):
+        length_reward(["abc"], max_length=3, unit="bytes")
+    with pytest.raises(ValueError, match="cache_length"):
+        length_reward(["abc"], max_length=3, cache_length=4, unit="chars")
+
+
+# ---------------------------------------------------------------- scorer
+
+
+def _constant(values):
+    def constant(completions, **kwargs):
+        return list(values)
+
+    return constant
+
+
+def test_scorer_weights_and_nan_handling():
+    first = _constant([1.0, None, None, 0.5])
+    second = _constant([2.0, 3.0, None, float("nan")])
+    scorer = RewardScorer({"a": first, "b": second}, weights=[1.0, 0.5])
+    per_function, names = scorer(["w", "x", "y", "z"], {"solution": ["r"] * 4})
+    assert names == ["a", "b"]
+    assert per_function.dtype == torch.float32 and per_function.shape == (4, 2)
+    assert per_function[1, 0].isnan() and per_function[2].isnan().all() and per_function[3, 1].isnan()
+    total = scorer.total(per_function)
+    assert total[[0, 1, 3]].tolist() == [2.0, 1.5, 0.5]
+    assert math.isnan(total[2].item())
+
+
+def test_scorer_weights_by_name_default_to_one():
+    scorer = RewardScorer({"a": _constant([1.0]), "b": _constant([2.0])}, weights={"b": -1.0})
+    assert scorer.total(scorer([""])[0]).tolist() == [-1.0]
+    with pytest.raises(ValueError, match=r"unknown functions \['c'\]"):
+        RewardScorer({"a": _constant([1.0])}, weights={"c": 1.0})
+    with pytest.raises(ValueError, match="2 reward weights for 1"):
+        RewardScorer([_constant([1.0])], weights=[1.0, 2.0])
+
+
+def test_scorer_passes_prompts_and_columns_by_keyword():
+    seen = {}
+
+    def trl_style(prompts, completions, solution, **kwargs):
+        seen.update(prompts=prompts, solution=solution, extra=kwargs)
+        return [1.0] * len(completions)
+
+    scorer = RewardScorer([trl_style, accuracy_reward, think_format_reward])
+    completions = ["<think>hm</think><answer>red</answer>", "blue"]
+    columns = {"prompts": [PROMPT, PROMPT], "solution": ["red", "red"], "image_id": [7, 8]}
+    per_function, names = scorer(completions, columns)
+    assert names == ["trl_style", "accuracy_reward", "think_format_reward"]
+    assert per_function.tolist() == [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]
+    assert seen == {"prompts": [PROMPT, PROMPT], "solution": ["red", "red"], "extra": {"image_id": [7, 8]}}
+
+
+def test_scorer_accepts_numpy_torch_and_bool_results():
+    scorer = RewardScorer(
+        [
+            lambda completions, **kw: np.array([0.5, 1.0]),
+            lambda completions, **kw: torch.tensor([1, 0]),
+            lambda completions, **kw: [True, np.float32(0.25)],
+        ]
+    )
+    per_function, names = scorer(["a", "b"])
+    assert names == ["<lambda>", "<lambda>_2", "<lambda>_3"]
+    assert per_function.tolist() == [[0.5, 1.0, 1.0], [1.0, 0.0, 0.25]]
+
+
+def test_partials_are_named_after_their_function():
+    short = functools.partial(length_reward, max_length=5, unit="chars")
+    nested = functools.partial(functools.partial(length_reward, unit="chars"), max_length=8)
+    assert reward_name(short) == "length_reward"
+    scorer = RewardScorer([short, nested, "accuracy_reward", "lightning_vlm.rewards.think_format_reward"])
+    assert scorer.names == ["length_reward", "length_reward_2", "accuracy_reward", "think_format_reward"]
+    per_function, _ = scorer(["abcdef"], {"solution": ["abcdef"]})
+    assert per_function.tolist() == [[-1.0, 0.0, 1.0, 0.0]]
+
+
+def test_hydra_partial_targets_are_scored():
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(
+        {
+            "_target_": "lightning_vlm.rewards.RewardScorer",
+            "functions": {
+                "accuracy": {"_target_": "lightning_vlm.rewards.accuracy_reward", "_partial_": True},
+                "length": {
+                    "_target_": "lightning_vlm.rewards.length_reward",
+                    "_partial_": True,
+                    "max_length": 3,
+                    "unit": "chars",
+                },
+            },
+            "weights": {"length": 0.5},
+        }
+    )
+    scorer = instantiate(cfg)
+    assert scorer.names == ["accuracy", "length"]
+    assert scorer.total(scorer(["red", "blue"], {"solution": ["red", "red"]})[0]).tolist() == [1.0, -0.5]
+
+
+def _failing(completions, **kwargs):
+    raise KeyError("boom")
+
+
+def _too_short(completions, **kwargs):
+    return [1.0]
+
+
+def _text(completions, **kwargs):
+    return ["1.0"] * len(completions)
+
+
+def _infinite(completions, **kwargs):
+    return [math.inf] * len(completions)
+
+
+def _scalar(completions, **kwargs):
+    return 1.0
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [
+        (_failing, r"'_failing' \(test_rewards\._failing\) raised KeyError: 'boom'"),
+        (_too_short, r"'_too_short' .* returned 1 rewards for 2 completions"),
+        (_text, r"'_text' .* non-number for sample 0: str '1\.0' is not a number"),
+        (_infinite, r"'_infinite' .* returned inf for sample 0"),
+        (_scalar, r"'_scalar' .* returned float; expected a list"),
+        (
+            functools.partial(length_reward, max_length=4),
+            r"'length_reward' \(lightning_vlm\.rewards\.builtin\.length_reward with max_length=4\) "
+            r"raised ValueError: .*completion_ids",
+        ),
+    ],
+)
+def test_errors_name_the_function(fn, message):
+    scorer = RewardScorer([fn])
+    with pytest.raises(RewardFunctionError, match=message) as info:
+        scorer(["a", "b"], {"solution": ["a", "b"]})
+    if fn is _failing:
+        assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_scorer_rejects_misaligned_columns_and_bad_specs():
+    scorer = RewardScorer([accuracy_reward])
+    with pytest.raises(ValueError, match="column 'solution' has 1 entries for 2"):
+        scorer(["a", "b"], {"solution": ["a"]})
+    with pytest.raises(ValueError, match="RewardModel"):
+        RewardScorer(["org/some-reward-model"])
+    with pytest.raises(ValueError, match="at least one"):
+        RewardScorer([])
+
+
+# ---------------------------------------------------------------- reward model
+
+
+@pytest.fixture(scope="module")
+def reward_model_dirs(tmp_path_factory):
+    """A tiny random Qwen2 reward model + a trained tiny BPE tokenizer, saved with both padding sides."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForSequenceClassification
+
+    special = ["<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|end|>"]
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(["What color is the shape? red green blue <answer> think"] * 20, trainer=trainer)
+    template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    config = Qwen2Config(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        num_labels=1,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForSequenceClassification(config)
+    # Random init gives a near-zero head; scale it so scores differ visibly between texts.
+    with torch.no_grad():
+        model.score.weight.mul_(50)
+    root = tmp_path_factory.mktemp("reward_model")
+    dirs = {}
+    for side in ("right", "left"):
+        wrapped = PreTrainedTokenizerFast(
+            tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", padding_side=side
+        )
+        wrapped.chat_template = template
+        dirs[side] = root / side
+        model.save_pretrained(dirs[side])
+        wrapped.save_pretrained(dirs[side])
+    two_labels = Qwen2ForSequenceClassification(Qwen2Config(**{**config.to_dict(), "num_labels": 2}))
+    dirs["two_labels"] = root / "two_labels"
+    two_labels.save_pretrained(dirs["two_labels"])
+    wrapped.save_pretrained(dirs["two_labels"])
+    return dirs
+
+
+def _rm_batch():
+    prompts = [
+        PROMPT,
+        [{"role": "user", "content": "What color is the shape?"}],
+        [{"role": "system", "content": "think"}] + PROMPT,
+    ]
+    completions = ["red", "<answer>green</answer> because the shape is green", "blue blue"]
+    return prompts, completions
+
+
+def test_reward_model_matches_manual_forward_and_is_deterministic(reward_model_dirs):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    prompts, completions = _rm_batch()
+    rm = RewardModel(reward_model_dirs["right"], batch_size=2)
+    scores = rm(completions, prompts=prompts, solution=["red", "green", "blue"])
+    assert len(scores) == 3 and all(isinstance(s, float) for s in scores)
+    assert rm(completions, prompts=prompts) == scores
+    assert len(set(scores)) == 3
+    assert rm.__name__ == "right"
+
+    tokenizer = AutoTokenizer.from_pretrained(reward_model_dirs["right"])
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model_dirs["right"]).eval()
+    for prompt, completion, score in zip(prompts, completions, scores, strict=True):
+        # Text-only by hand: image blocks dropped, text blocks as the content string.
+        messages = [
+            {
+                "role": m["role"],
+                "content": m["content"]
+                if isinstance(m["content"], str)
+                else "".join(b["text"] for b in m["content"] if b["type"] == "text"),
+            }
+            for m in prompt
+        ] + [{"role": "assistant", "content": completion}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            expected = model(input_ids=ids).logits[0, 0].item()
+        assert score == pytest.approx(expected, abs=1e-5)
+
+
+def test_reward_model_ignores_padding_side_and_batching(reward_model_dirs):
+    prompts, completions = _rm_batch()
+    right = RewardModel(reward_model_dirs["right"], batch_size=3)(completions, prompts=prompts)
+    left = RewardModel(reward_model_dirs["left"], batch_size=3)(completions, prompts=prompts)
+    single = RewardModel(reward_model_dirs["left"], batch_size=1)(completions, prompts=prompts)
+    assert left == pytest.approx(right, abs=1e-5)
+    assert single == pytest.approx(right, abs=1e-5)
+
+
+def test_reward_model_without_pad_token_pads_with_eos(reward_model_dirs):
+    # Llama-style checkpoints define no pad token anywhere. (Loading one from disk here is not
+    # possible: AutoTokenizer resolves to Qwen2Tokenizer, which adds a default pad token.)
+    prompts, completions = _rm_batch()
+    rm = RewardModel(reward_model_dirs["right"], batch_size=3)
+    padded = rm(completions, prompts=prompts)
+    rm.tokenizer.pad_token = None
+    rm.model.config.pad_token_id = None
+    rm.pad_token_id = rm._pad_token_id()
+    assert rm.pad_token_id == rm.tokenizer.eos_token_id
+    assert rm(completions, prompts=prompts) == pytest.approx(padded, abs=1e-5)
+
+
+def test_reward_model_needs_one_label(reward_model_dirs):
+    with pytest.raises(ValueError, match="num_labels=2"):
+        RewardModel(reward_model_dirs["two_labels"])
+
+
+def test_reward_model_in_a_scorer_with_truncation_and_plain_prompts(reward_model_dirs):
+    prompts, completions = _rm_batch()
+    rm = RewardModel(reward_model_dirs["right"], max_length=6)
+    assert all(len(row) <= 6 for row in rm.tokenize(prompts, completions))
+    scorer = RewardScorer([rm, accuracy_reward], weights=[0.0, 1.0])
+    per_function, names = scorer(completions, {"prompts": prompts, "solution": ["red", "green", "red"]})
+    assert names == ["right", "accuracy_reward"]
+    assert not per_function[:, 0].isnan().any()
+    # Standard (string) prompts are concatenated with the completion, no chat template.
+    plain = rm(["red"], prompts=["What color? "])
+    assert len(plain) == 1 and math.isfinite(plain[0])
+    with pytest.raises(
+        RewardFunctionError, match=r"'right' \(RewardModel\('.*right'.*needs the `prompts` column"
+    ):
+        scorer(completions, {"solution": ["red"] * 3})

@@ -1,0 +1,196 @@
+"""The offline tiny-VLM zoo: every family loads in transformers and vLLM and they agree token for token.
+
+The vLLM half runs in one subprocess (this file run as a script) so no engine state or vLLM import
+leaks into the pytest process; that process loads each family once and reports JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lightning_vlm.data import synthetic
+from lightning_vlm.models import tiny
+from lightning_vlm.models.tiny import TINY_FAMILIES, tiny_vlm_path
+from lightning_vlm.models.tiny_recipes import RECIPES
+
+NEW_TOKENS = 8
+
+
+def _prompt(seed: int = 0, index: int = 0) -> tuple[list[dict], synthetic.Sample]:
+    sample = synthetic.make_sample(seed, index)
+    return synthetic.as_prompt_row(sample)["prompt"], sample
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_vocabulary_words_are_single_tokens(tiny_path, family):
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_path(family))
+    tok = processor.tokenizer
+    for word in synthetic.VOCABULARY:
+        assert len(tok.encode(word, add_special_tokens=False)) == 1, word
+        assert len(tok.encode(" " + word, add_special_tokens=False)) == 1, word
+    # In context: the answer right after the generation prompt is one token, then end-of-turn.
+    messages, _ = _prompt()
+    prompt = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    for word in synthetic.ANSWERS["color"]:
+        full = processor.apply_chat_template(
+            messages + [{"role": "assistant", "content": [{"type": "text", "text": word}]}], tokenize=False
+        )
+        assert full.startswith(prompt)
+        prompt_ids = tok.encode(prompt, add_special_tokens=False)
+        full_ids = tok.encode(full, add_special_tokens=False)
+        assert full_ids[: len(prompt_ids)] == prompt_ids
+        assert full_ids[len(prompt_ids) + 1] == tok.eos_token_id, (word, full)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_loads_completely_and_counts_image_tokens(tiny_path, family):
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = tiny_path(family)
+    model, info = AutoModelForImageTextToText.from_pretrained(path, output_loading_info=True)
+    # Nothing left to random init: the renamed vision-tower keys must map back for transformers.
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    processor = AutoProcessor.from_pretrained(path)
+    messages, sample = _prompt()
+    assert sample.image.size == (112, 112)
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=[text], images=[sample.image], return_tensors="pt")
+    n_image = int((inputs["input_ids"] == model.config.image_token_id).sum())
+    assert n_image == RECIPES[family].expected_image_tokens
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_cache_is_reused_and_rebuilt_on_recipe_change(tmp_path, monkeypatch):
+    first = tiny_vlm_path("qwen2_5_vl", cache_dir=tmp_path)
+    mtime = (first / "model.safetensors").stat().st_mtime_ns
+    again = tiny_vlm_path("qwen2_5_vl", cache_dir=tmp_path)
+    assert again == first and (again / "model.safetensors").stat().st_mtime_ns == mtime
+    assert tiny_vlm_path("qwen2_5_vl", cache_dir=tmp_path, seed=1) != first
+
+    recipe = RECIPES["qwen2_5_vl"]
+    changed = dataclasses.replace(recipe, config={**recipe.config, "tie_word_embeddings": True})
+    monkeypatch.setitem(RECIPES, "qwen2_5_vl", changed)
+    rebuilt = tiny_vlm_path("qwen2_5_vl", cache_dir=tmp_path)
+    assert rebuilt != first and (rebuilt / "config.json").is_file()
+    monkeypatch.setitem(RECIPES, "qwen2_5_vl", recipe)
+    monkeypatch.setattr(tiny, "RECIPE_VERSION", tiny.RECIPE_VERSION + 1)
+    assert tiny_vlm_path("qwen2_5_vl", cache_dir=tmp_path) not in (first, rebuilt)
+    # Only finished folders remain: the build folders were renamed into place.
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_unknown_family_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown tiny VLM family"):
+        tiny_vlm_path("gpt2", cache_dir=tmp_path)
+
+
+@pytest.fixture(scope="module")
+def parity_report(tiny_path, tmp_path_factory) -> dict:
+    """Runs the transformers-vs-vLLM comparison for every family in one subprocess."""
+    out = tmp_path_factory.mktemp("parity") / "report.json"
+    paths = {family: tiny_path(family) for family in TINY_FAMILIES}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, __file__, str(out), json.dumps(paths)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if not out.is_file():
+        pytest.fail(f"parity subprocess failed (rc {proc.returncode}):\n{proc.stderr[-5000:]}")
+    return json.loads(out.read_text())
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_vllm_greedy_tokens_match_transformers(parity_report, family):
+    result = parity_report[family]
+    assert "error" not in result, result.get("error")
+    assert len(result["hf"]) == NEW_TOKENS
+    assert result["vllm"] == result["hf"]
+    # vLLM expanded the single placeholder to as many image tokens as the HF processor did.
+    assert result["vllm_image_tokens"] == result["hf_image_tokens"] == RECIPES[family].expected_image_tokens
+    assert result["vllm_prompt_ids"] == result["hf_prompt_ids"]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_weights_synced_into_vllm_under_mapped_names_match(parity_report, family):
+    result = parity_report[family]
+    assert "error" not in result, result.get("error")
+    # The perturbed weights changed the output, and vLLM followed transformers exactly.
+    assert result["synced_hf"] != result["hf"]
+    assert result["synced_vllm"] == result["synced_hf"]
+
+
+def _parity(paths: dict[str, str]) -> dict:
+    """Greedy-decode one synthetic prompt with transformers and with vLLM, per family."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
+    from vllm import SamplingParams
+
+    from lightning_vlm.generation.vllm_engine import make_vllm_engine, vllm_inputs
+    from lightning_vlm.models.weight_names import hf_to_vllm_names
+
+    torch.set_num_threads(2)
+    report = {}
+    for family, path in paths.items():
+        start = time.perf_counter()
+        try:
+            model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+            processor = AutoProcessor.from_pretrained(path)
+            messages, sample = _prompt()
+            text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            inputs = processor(text=[text], images=[sample.image], return_tensors="pt")
+            # No eos: exactly NEW_TOKENS greedy tokens, like vLLM's ignore_eos.
+            config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
+            with torch.no_grad():
+                generated = model.generate(**inputs, generation_config=config)
+            prompt_ids = inputs["input_ids"][0].tolist()
+            image_id = model.config.image_token_id
+
+            llm = make_vllm_engine(path)
+            params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+            request = [vllm_inputs(processor, messages, [sample.image])]
+            out = llm.generate(request, params, use_tqdm=False)[0]
+
+            # Weight sync: perturb every transformers weight, push them under vLLM's names, compare.
+            torch.manual_seed(1)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.05)
+                synced_hf = model.generate(**inputs, generation_config=config)[0, len(prompt_ids) :].tolist()
+            weights = hf_to_vllm_names(model.config.model_type, model.state_dict().items())
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            llm.llm_engine.reset_encoder_cache()
+            llm.reset_prefix_cache()
+            synced = llm.generate(request, params, use_tqdm=False)[0]
+            del llm
+            report[family] = {
+                "hf": generated[0, len(prompt_ids) :].tolist(),
+                "vllm": list(out.outputs[0].token_ids),
+                "hf_prompt_ids": prompt_ids,
+                "vllm_prompt_ids": list(out.prompt_token_ids),
+                "hf_image_tokens": prompt_ids.count(image_id),
+                "vllm_image_tokens": list(out.prompt_token_ids).count(image_id),
+                "synced_hf": synced_hf,
+                "synced_vllm": list(synced.outputs[0].token_ids),
+            }
+        except Exception as exc:  # one family's failure must not hide the others' results
+            report[family] = {"error": f"{type(exc).__name__}: {exc}"}
+        report[family]["seconds"] = round(time.perf_counter() - start, 1)
+    return report
+
+
+if __name__ == "__main__":
+    report_path, family_paths = sys.argv[1], json.loads(sys.argv[2])
+    with open(report_path, "w") as f:
+        json.dump(_parity(family_paths), f)

@@ -1,0 +1,194 @@
+"""The VLM wrapper on every tiny family: encoding, the image-token check, slicing, log-probs, reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_vlm.data.synthetic import synthetic_rows
+from lightning_vlm.models.image_tokens import TOKEN_KEYS, merge_image_inputs, split_image_inputs
+from lightning_vlm.models.logprobs import naive_token_logps
+from lightning_vlm.models.reference import ReferenceModel
+from lightning_vlm.models.vlm import VLM
+
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "gemma3", "llava", "llava_next", "idefics3")
+
+
+@pytest.fixture(scope="module")
+def vlms(tiny_path):
+    cache: dict[str, VLM] = {}
+
+    def get(family: str) -> VLM:
+        if family not in cache:
+            torch.manual_seed(0)
+            cache[family] = VLM(tiny_path(family))
+        return cache[family]
+
+    return get
+
+
+def sft_rows() -> list[dict]:
+    """Three SFT rows: different image sizes, and one row with two images."""
+    rows = synthetic_rows("sft", 3, seed=1)
+    rows[1]["images"] = [rows[1]["images"][0].resize((84, 140))]
+    two = synthetic_rows("sft", 1, seed=2)[0]["images"][0]
+    rows[2]["images"] = [rows[2]["images"][0], two]
+    rows[2]["messages"][0]["content"].insert(0, {"type": "image"})
+    return rows
+
+
+def naive(vlm: VLM, inputs: dict, mask: torch.Tensor, temperature: float):
+    logits = vlm.model(**vlm.model_inputs(inputs)).logits
+    return naive_token_logps(logits, inputs["input_ids"], mask, temperature)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_token_logps_equal_full_log_softmax(vlms, family):
+    vlm = vlms(family)
+    inputs = vlm.encode_sft(sft_rows())
+    mask = torch.ones_like(inputs["input_ids"], dtype=torch.bool) & inputs["attention_mask"].bool()
+    for temperature in (1.0, 0.7):
+        with torch.no_grad():
+            logps, entropy = vlm.token_logps(inputs, mask, temperature, return_entropy=True, chunk_size=16)
+            ref_logps, ref_entropy = naive(vlm, inputs, mask, temperature)
+        torch.testing.assert_close(logps, ref_logps, atol=1e-5, rtol=0)
+        torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=0)
+    # With autograd on (chunk checkpointing path) the values are the same and gradients flow.
+    logps, _ = vlm.token_logps(inputs, mask, 0.7, chunk_size=16)
+    torch.testing.assert_close(logps.detach(), ref_logps, atol=1e-5, rtol=0)
+    logps.sum().backward()
+    assert vlm.lm_head.weight.grad is not None and vlm.lm_head.weight.grad.abs().sum() > 0
+    vlm.model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sft_labels_cover_assistant_turn_and_end_of_turn(vlms, family):
+    vlm = vlms(family)
+    rows = sft_rows()
+    inputs = vlm.encode_sft(rows)
+    for b, row in enumerate(rows):
+        labelled = inputs["labels"][b][inputs["labels"][b] != -100].tolist()
+        answer = row["messages"][-1]["content"][0]["text"]
+        assert labelled[-1] == vlm.end_of_turn_id
+        assert vlm.tokenizer.decode(labelled[:-1]).strip() == answer
+    assert (inputs["attention_mask"][:, 0] == 1).all(), "SFT batches are right-padded"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_per_sample_slicing_round_trips_and_matches_solo_forward(vlms, family):
+    vlm = vlms(family)
+    inputs = vlm.encode_sft(sft_rows())
+    samples = split_image_inputs(inputs, vlm.config)
+    merged = merge_image_inputs(samples, vlm.config)
+    for key, value in merged.items():
+        assert torch.equal(value, inputs[key]), key
+    mask = inputs["labels"] != -100
+    with torch.no_grad():
+        batched, _ = vlm.token_logps(inputs, mask)
+        for b, extras in enumerate(samples):
+            n = int(inputs["attention_mask"][b].sum())
+            solo = {k: inputs[k][b : b + 1, :n] for k in TOKEN_KEYS if k in inputs}
+            solo |= {k: v for k, v in extras.items()} | {"num_images": inputs["num_images"][b : b + 1]}
+            alone, _ = vlm.token_logps(solo, mask[b : b + 1, :n])
+            torch.testing.assert_close(alone[0], batched[b, :n], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cut_image_tokens_raise_naming_the_sample(vlms, family):
+    vlm = vlms(family)
+    rows = sft_rows()
+    inputs = vlm.encode_sft(rows)
+    image_id = vlm.config.image_token_id
+    # Keeps all of row 0's image tokens but cuts through row 2's second image.
+    last_image_row0 = int((inputs["input_ids"][0] == image_id).nonzero()[-1])
+    with pytest.raises(ValueError, match="sample 1: .* would cut its image tokens"):
+        vlm.encode_sft([rows[0], rows[2]], max_length=last_image_row0 + 1)
+    broken = dict(inputs)
+    broken["input_ids"] = inputs["input_ids"].clone()
+    broken["input_ids"][2, (inputs["input_ids"][2] == image_id).nonzero()[0]] = vlm.pad_token_id
+    for key in ("token_type_ids", "mm_token_type_ids"):
+        broken.pop(key, None)
+    with pytest.raises(ValueError, match=r"sample 2: \d+ image tokens in input_ids but its images need \d+"):
+        vlm.token_logps(broken, broken["labels"] != -100)
+    # Text after the last image may be truncated; labels and masks are cut together.
+    short = vlm.encode_sft(rows, max_length=int(inputs["attention_mask"].sum(1).max()) - 1)
+    assert short["input_ids"].shape == short["labels"].shape == short["attention_mask"].shape
+    vlm.check_image_tokens(short)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+def test_type_ids_padded_apart_from_input_ids_raise(vlms, family):
+    vlm = vlms(family)
+    inputs = vlm.encode_sft(sft_rows())
+    key = "mm_token_type_ids" if "mm_token_type_ids" in inputs else "token_type_ids"
+    inputs[key] = inputs[key].roll(1, dims=1)
+    with pytest.raises(ValueError, match=f"sample 0: {key}"):
+        vlm.check_image_tokens(inputs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_completion_left_padding_gives_the_same_logps(vlms, family):
+    vlm = vlms(family)
+    rows = synthetic_rows("prompt", 3, seed=3)
+    rows[0]["images"] = [rows[0]["images"][0].resize((140, 84))]
+    completions = [[5 + 7, 40, vlm.end_of_turn_id], [41, vlm.end_of_turn_id], [42, 43, 44, 45]]
+    completions = [[t if t not in vlm.suppressed_token_ids else 60 for t in c] for c in completions]
+    inputs = vlm.encode_prompt_completion(rows, completions)
+    assert (inputs["attention_mask"][:, -1] == torch.tensor([0, 0, 1])).all()
+    assert inputs["completion_mask"].sum(1).tolist() == [3, 2, 4]
+    with torch.no_grad():
+        batched, _ = vlm.token_logps(inputs, inputs["completion_mask"].bool())
+        for b in range(3):
+            alone = vlm.encode_prompt_completion(rows[b : b + 1], completions[b : b + 1])
+            solo, _ = vlm.token_logps(alone, alone["completion_mask"].bool())
+            got = batched[b][inputs["completion_mask"][b].bool()]
+            torch.testing.assert_close(got, solo[0][alone["completion_mask"][0].bool()], atol=1e-5, rtol=0)
+
+
+def test_lora_targets_language_model_only_and_reference_is_the_base(tiny_path):
+    path = tiny_path("qwen2_5_vl")
+    torch.manual_seed(0)
+    base = VLM(path)
+    vlm = VLM(path, lora={"r": 4, "lora_alpha": 8})
+    lora_names = [n for n, _ in vlm.model.named_parameters() if "lora_" in n]
+    assert lora_names and all(".language_model." in n for n in lora_names)
+    assert all(not p.requires_grad for p in vlm.vision_tower.parameters())
+    with torch.no_grad():  # make the adapters matter
+        for name, p in vlm.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+    ref = ReferenceModel(vlm)
+    assert ref.shares_weights
+    n_params = sum(p.numel() for p in vlm.model.parameters())
+    inputs = vlm.encode_sft(sft_rows())
+    mask = inputs["labels"] != -100
+    vlm.model.train()
+    ref_logps, _ = ref.token_logps(inputs, mask)
+    assert vlm.model.training, "the policy's mode is restored"
+    with torch.no_grad():
+        base_logps, _ = base.token_logps(inputs, mask)
+        policy_logps, _ = vlm.token_logps(inputs, mask)
+    torch.testing.assert_close(ref_logps, base_logps, atol=1e-5, rtol=0)
+    assert (policy_logps - base_logps).abs().max() > 1e-3
+    assert sum(p.numel() for p in vlm.model.parameters()) == n_params
+
+
+def test_frozen_copy_reference_keeps_initial_weights(tiny_path):
+    vlm = VLM(tiny_path("gemma3"), gradient_checkpointing=True)
+    ref = ReferenceModel(vlm)
+    assert not ref.shares_weights and all(not p.requires_grad for p in ref.copy.parameters())
+    inputs = vlm.encode_sft(sft_rows())
+    mask = inputs["labels"] != -100
+    before, _ = ref.token_logps(inputs, mask)
+    vlm.model.train()
+    logps, _ = vlm.token_logps(inputs, mask)  # gradient checkpointing path
+    (-logps.sum()).backward()
+    with torch.no_grad():
+        for p in vlm.model.parameters():
+            if p.grad is not None:
+                p -= 0.5 * p.grad
+    after, _ = ref.token_logps(inputs, mask)
+    torch.testing.assert_close(before, after)
+    with torch.no_grad():
+        moved, _ = vlm.token_logps(inputs, mask)
+    assert (moved - before).abs().max() > 1e-3
