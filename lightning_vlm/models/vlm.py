@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import os
 import re
 from collections.abc import Sequence
 
@@ -172,6 +174,17 @@ class VLM(torch.nn.Module):
         ids |= {i for t, i in vocab.items() if re.fullmatch(r"<row_\d+_col_\d+>", t)}  # Idefics3 tiles
         keep = {self.end_of_turn_id, self.pad_token_id, self.tokenizer.eos_token_id}
         return sorted(i for i in ids if i not in keep and i < self.lm_head.out_features)
+
+    def save_pretrained(self, dirpath: str | os.PathLike, merge_lora: bool = True) -> None:
+        """Saves model and processor into one folder that transformers and vLLM load (LoRA merged)."""
+        from .weight_names import save_for_hf_and_vllm
+
+        model = self.model
+        if self.is_lora and merge_lora:
+            # Merge into a copy: the training model keeps its adapters.
+            model = copy.deepcopy(model).merge_and_unload()
+        save_for_hf_and_vllm(model, dirpath)
+        self.processor.save_pretrained(dirpath)
 
     # ---- encoding ----------------------------------------------------------------------------------------
     def encode_sft(self, rows: list[dict], max_length: int | None = None) -> dict:
