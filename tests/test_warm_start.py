@@ -18,5 +18,7 @@ def test_warm_start_exports_a_model_that_answers_better_than_chance(sft_warm_sta
     out = HFGenerator(vlm).generate(
         rows, 1, SamplingSettings(max_new_tokens=4, temperature=0.0, do_sample=False)
     )
-    accuracy = sum(answers_match(t, r["solution"]) for t, r in zip(out.completion_texts, rows, strict=True)) / len(rows)
+    accuracy = sum(
+        answers_match(t, r["solution"]) for t, r in zip(out.completion_texts, rows, strict=True)
+    ) / len(rows)
     assert accuracy > 0.3, accuracy  # chance is 1/8

@@ -14,9 +14,10 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from . import encoding
 from .image_tokens import NUM_IMAGES_KEY, QWEN_FAMILIES, check_image_tokens
 from .logprobs import scatter_to_tokens, scored_positions, selective_logps
+from .vision_cache import IMAGE_GROUPS_KEY, shared_hidden_states
 
 # Keys the encoders add for our own use; the HF model must not see them.
-PRIVATE_KEYS = (NUM_IMAGES_KEY, "labels", "completion_mask")
+PRIVATE_KEYS = (NUM_IMAGES_KEY, "labels", "completion_mask", IMAGE_GROUPS_KEY)
 VISION_ATTRS = ("visual", "vision_tower", "vision_model")
 LANGUAGE_ATTRS = ("language_model", "text_model")
 # Processor attributes naming vision special tokens, across families.
@@ -233,6 +234,9 @@ class VLM(torch.nn.Module):
     def hidden_states(self, inputs: dict, model: torch.nn.Module | None = None) -> torch.Tensor:
         """Last hidden states [B, L, H] from the backbone (no LM head, so no [B, L, V] logits)."""
         self.check_image_tokens(inputs)
+        if IMAGE_GROUPS_KEY in inputs:
+            # Rows sharing images run the vision tower once (see vision_cache.with_image_groups).
+            return shared_hidden_states(self, inputs, model or self.hf_model)
         backbone = (model or self.hf_model).model
         return backbone(**self.model_inputs(inputs), use_cache=False).last_hidden_state
 

@@ -1,0 +1,139 @@
+"""Sampling with vLLM inside the training process (TRL's ``vllm_mode="colocate"``)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from typing import Any
+
+from lightning_vlm.generation.base import Rollouts, SamplingSettings
+from lightning_vlm.generation.vllm_engine import has_cuda, make_vllm_engine, vllm_inputs
+from lightning_vlm.generation.vllm_sampling import build_rollouts, completions_of, sampling_kwargs
+from lightning_vlm.generation.weight_sync import sync_colocated
+
+log = logging.getLogger(__name__)
+MODEL_IMPLS = ("auto", "vllm", "transformers")
+# "processed": log-probs of the distribution actually sampled (suppression, temperature, top-k/p),
+# the same quantity HFGenerator returns, so the IS ratio compares like with like.
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+
+
+def check_engine_settings(
+    gpu_memory_utilization: float, max_model_len: int, tensor_parallel_size: int, model_impl: str
+) -> None:
+    """Refuse bad engine settings with an error naming the setting."""
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
+
+
+class VLLMColocateGenerator:
+    """A ``Generator`` backed by an in-process ``vllm.LLM`` holding a copy of the policy.
+
+    Behaves like ``HFGenerator`` (same suppressed vision tokens, stop at end-of-turn, G consecutive
+    completions per row) but samples from vLLM's copy of the weights: ``samples_from_policy`` is
+    False and ``Rollouts.logprobs`` are vLLM's, for the importance-sampling correction.
+    """
+
+    samples_from_policy = False
+
+    def __init__(
+        self,
+        vlm: Any,
+        model_path: str | None = None,
+        gpu_memory_utilization: float = 0.3,
+        max_model_len: int = 1024,
+        tensor_parallel_size: int = 1,
+        enable_sleep_mode: bool = False,
+        dtype: str = "auto",
+        model_impl: str = "vllm",
+        limit_mm_per_prompt: dict[str, int] | None = None,
+        logprobs_mode: str = "processed_logprobs",
+        seed: int = 0,
+        **engine_kwargs: Any,
+    ) -> None:
+        check_engine_settings(gpu_memory_utilization, max_model_len, tensor_parallel_size, model_impl)
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+        self.vlm = vlm
+        self.on_gpu = has_cuda()
+        self.sleep_enabled = bool(enable_sleep_mode and self.on_gpu)
+        if enable_sleep_mode and not self.on_gpu:
+            log.info("enable_sleep_mode: vLLM sleeps only on GPU; ignored on CPU")
+        # Weights go in through an in-process iterator: keep the engine core in this process
+        # (TRL's colocate mode does the same). With tensor parallelism the workers are separate
+        # processes anyway and the weights travel as a list.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.in_process = tensor_parallel_size == 1
+        self.llm = make_vllm_engine(
+            model_path or vlm.model_name_or_path,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            enable_sleep_mode=self.sleep_enabled,
+            model_impl=model_impl,
+            limit_mm_per_prompt=limit_mm_per_prompt,
+            seed=seed,
+            logprobs_mode=logprobs_mode,
+            **engine_kwargs,
+        )
+        self.asleep = False
+
+    # ---- generation ------------------------------------------------------------------------------
+    def generate(self, rows: list[dict], num_generations: int, sampling: SamplingSettings) -> Rollouts:
+        """``num_generations`` completions per row (consecutive), cut after the end-of-turn token."""
+        from vllm import SamplingParams
+
+        self.wake_up()
+        vlm = self.vlm
+        params = SamplingParams(
+            **sampling_kwargs(sampling, num_generations, vlm.end_of_turn_id, vlm.suppressed_token_ids)
+        )
+        # Templated text with one placeholder per image + PIL images: vLLM expands them itself.
+        requests = [vllm_inputs(vlm.processor, r["prompt"], r.get("images", [])) for r in rows]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        ids, logprobs = completions_of(outputs)
+        return build_rollouts(
+            rows, num_generations, ids, logprobs, vlm.end_of_turn_id, vlm.tokenizer, "vllm_colocate"
+        )
+
+    # ---- weights and memory ------------------------------------------------------------------------
+    def sync_weights(self) -> float:
+        """Push the policy's current weights (LoRA merged) into the engine; seconds taken."""
+        self.wake_up()
+        return sync_colocated(self.llm, self.vlm, in_process=self.in_process)
+
+    def sleep(self) -> None:
+        """Free the engine's GPU memory for the backward pass (level 1: weights to CPU, KV dropped)."""
+        if self.sleep_enabled and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        """Bring weights and KV cache back before generating or loading weights."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def close(self) -> None:
+        """Delete the engine and free its memory."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        engine = getattr(llm, "llm_engine", None)
+        shutdown = getattr(engine, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        del llm, engine
+        gc.collect()
+        if self.on_gpu:
+            import torch
+
+            torch.cuda.empty_cache()

@@ -1,0 +1,103 @@
+"""What the colocated and the server vLLM generators share: sampling parameters and rollout assembly.
+
+Both must sample exactly like ``HFGenerator``: the family's vision special tokens suppressed, stop
+at the end-of-turn token only, and log-probs of the chosen tokens under the *processed*
+distribution (suppression, temperature, top-k/p), which is what HF's ``scores`` hold.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_vlm.generation.base import Rollouts, SamplingSettings, cut_at_eos
+
+# vLLM clamps logit_bias to [-100, 100]: -100 leaves a suppressed token exp(-100) of the mass,
+# the same as HF's -inf for every practical purpose (argmax and log-probs alike).
+SUPPRESS_BIAS = -100.0
+# Rollouts.extras key: the sampler is not the policy itself, so the online method must apply the
+# importance-sampling correction with these log-probs.
+OFF_POLICY_KEY = "sampler_is_policy"
+
+
+def sampling_kwargs(
+    sampling: SamplingSettings,
+    n: int,
+    end_of_turn_id: int,
+    suppressed_token_ids: list[int],
+    seed: int | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` (JSON-able, so the server client can send them)."""
+    if n < 1:
+        raise ValueError(f"num_generations must be >= 1, got {n}")
+    if sampling.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+    kwargs: dict[str, Any] = {
+        "n": n,
+        "max_tokens": sampling.max_new_tokens,
+        # Stop at end-of-turn only, as HF does with eos_token_id=[end_of_turn_id]: vLLM would also
+        # stop at the checkpoint's eos/generation_config ids unless told to ignore them.
+        "ignore_eos": True,
+        "stop_token_ids": [int(end_of_turn_id)],
+        "logit_bias": {int(t): SUPPRESS_BIAS for t in suppressed_token_ids} or None,
+        "repetition_penalty": sampling.repetition_penalty,
+        # The chosen token's log-prob only (0 extra top tokens).
+        "logprobs": 0,
+        "skip_special_tokens": True,
+        "seed": seed,
+    }
+    if sampling.greedy:
+        kwargs.update(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0)
+    else:
+        kwargs.update(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k or 0,
+            min_p=sampling.min_p or 0.0,
+        )
+    return kwargs
+
+
+def completions_of(request_outputs: list[Any]) -> tuple[list[list[int]], list[list[float]]]:
+    """Token ids and chosen-token log-probs of every completion, prompt by prompt (G consecutive)."""
+    ids: list[list[int]] = []
+    logprobs: list[list[float]] = []
+    for request in request_outputs:
+        for completion in request.outputs:
+            tokens = [int(t) for t in completion.token_ids]
+            ids.append(tokens)
+            steps = completion.logprobs or []
+            # Each step maps token id -> Logprob; the sampled token is always among them.
+            logprobs.append([float(step[t].logprob) for t, step in zip(tokens, steps, strict=False)])
+    return ids, logprobs
+
+
+def build_rollouts(
+    rows: list[dict],
+    num_generations: int,
+    ids: list[list[int]],
+    logprobs: list[list[float]],
+    end_of_turn_id: int,
+    tokenizer: Any,
+    sampler: str,
+) -> Rollouts:
+    """Rollouts as ``HFGenerator`` returns them, cut after end-of-turn, flagged as not the policy."""
+    expected = len(rows) * num_generations
+    if len(ids) != expected:
+        raise RuntimeError(f"{sampler} returned {len(ids)} completions, expected {expected}")
+    kept_ids, kept_logps, truncated = [], [], []
+    for tokens, logps in zip(ids, logprobs, strict=True):
+        kept, cut = cut_at_eos(tokens, {end_of_turn_id})
+        if len(logps) < len(kept):
+            raise RuntimeError(f"{sampler} returned {len(logps)} log-probs for {len(kept)} tokens")
+        kept_ids.append(kept)
+        kept_logps.append(list(logps[: len(kept)]))
+        truncated.append(cut)
+    return Rollouts(
+        rows=list(rows),
+        completion_ids=kept_ids,
+        completion_texts=tokenizer.batch_decode(kept_ids, skip_special_tokens=True),
+        truncated=truncated,
+        num_generations=num_generations,
+        logprobs=kept_logps,
+        extras={OFF_POLICY_KEY: False, "sampler": sampler},
+    )

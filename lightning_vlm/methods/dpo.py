@@ -1,0 +1,177 @@
+"""Offline preference optimisation (DPO and its loss family); MPO is this module with three weighted losses.
+
+A step encodes each pair as two sequences sharing their prompt and images (one vision pass per
+pair), sums answer log-probs under the policy and the reference, and hands them to the pure
+``weighted_preference_loss``. The reference is a frozen copy, or the policy with its LoRA adapters
+disabled; with ``precompute_ref_logps`` its log-probs are computed once before training, stored on
+disk keyed by row content and model weights, and the frozen copy is then released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torchmetrics import MeanMetric
+
+from lightning_vlm.generation.base import SamplingSettings
+from lightning_vlm.generation.hf import HFGenerator
+from lightning_vlm.losses.preference import PreferenceInputs, RunningMean, weighted_preference_loss
+from lightning_vlm.methods.common import configure_optimizers, message_text
+from lightning_vlm.methods.preference_batch import encode_pairs, split_pairs
+from lightning_vlm.methods.reference_cache import ReferenceLogpCache, model_key, weights_fingerprint
+from lightning_vlm.models.reference import ReferenceModel
+from lightning_vlm.models.vlm import VLM
+from lightning_vlm.rewards.accuracy import answers_match
+
+
+class DPO(L.LightningModule):
+    """DPO with TRL's knobs: ``loss_type`` list, ``loss_weights``, ``beta``, ``label_smoothing``."""
+
+    def __init__(
+        self,
+        vlm: VLM,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+        beta: float = 0.1,
+        label_smoothing: float = 0.0,
+        loss_type: Sequence[str] = ("sigmoid",),
+        loss_weights: Sequence[float] | None = None,
+        precompute_ref_logps: bool = False,
+        ref_cache_dir: str | None = None,
+        one_vision_pass: bool = True,
+        max_length: int | None = None,
+        val_max_new_tokens: int = 4,
+    ) -> None:
+        super().__init__()
+        if isinstance(loss_type, str):
+            raise TypeError(f"loss_type must be a list of names, e.g. [{loss_type}], not the string {loss_type!r}")
+        loss_type = [str(t) for t in loss_type]
+        loss_weights = None if loss_weights is None else [float(w) for w in loss_weights]
+        self.save_hyperparameters(ignore=["vlm"])
+        self.hparams.update(loss_type=loss_type, loss_weights=loss_weights)
+        # Fail at construction, naming the setting, rather than at the first training step.
+        zeros = torch.zeros(1)
+        _, probe = weighted_preference_loss(
+            loss_type, loss_weights, PreferenceInputs(*([zeros] * 6)), beta, label_smoothing
+        )
+        self.metric_names = [*probe, "loss"]
+        self.vlm = vlm
+        self.ref: ReferenceModel | None = ReferenceModel(vlm)
+        self.generator = HFGenerator(vlm)
+        self.bco_delta = RunningMean()  # BCO's δ: a buffer, so it is checkpointed
+        self.val_metrics = torch.nn.ModuleDict({self._slot(n): MeanMetric() for n in self.metric_names})
+        self.val_answer_accuracy = MeanMetric()
+        self.ref_cache: ReferenceLogpCache | None = None
+        # The reference weights are the initial weights: fingerprint them before any step changes them.
+        self._ref_fingerprint = weights_fingerprint(vlm.model) if precompute_ref_logps else None
+
+    @staticmethod
+    def _slot(name: str) -> str:
+        return name.replace("/", "__")  # ModuleDict keys cannot hold "/" or "."
+
+    # ---- reference ------------------------------------------------------------------------------------
+    def _cache(self) -> ReferenceLogpCache:
+        if self.ref_cache is None:
+            hp = self.hparams
+            directory = hp.ref_cache_dir or Path(self.trainer.default_root_dir) / "ref_logps"
+            key = model_key(self.vlm.model_name_or_path, self._ref_fingerprint, max_length=hp.max_length)
+            self.ref_cache = ReferenceLogpCache(directory, key, rank=self.global_rank)
+        return self.ref_cache
+
+    @torch.no_grad()
+    def _compute_ref(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ref is None:
+            raise RuntimeError("the reference model was released after precomputing; a row is missing from the cache")
+        logps, _ = self.ref.token_logps(batch.inputs, batch.completion_mask)
+        return split_pairs(logps.sum(dim=1))
+
+    def _reference_logps(self, rows: list[dict], batch) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.hparams.precompute_ref_logps:
+            return self._compute_ref(batch)
+        cache = self._cache()
+        missing = cache.missing(rows)
+        if missing:  # lazily, e.g. validate_before_fit runs before on_fit_start's precompute
+            if self.ref is None:
+                cache.get(rows)  # raises, naming the row
+            cache.put(rows, *self._compute_ref(batch))
+        chosen, rejected = cache.get(rows)
+        return chosen.to(self.device, torch.float32), rejected.to(self.device, torch.float32)
+
+    def on_fit_start(self) -> None:
+        if self.ref is not None:
+            self.ref.to(self.device)
+        if not self.hparams.precompute_ref_logps:
+            return
+        datamodule = self.trainer.datamodule
+        loaders = [datamodule.train_dataloader()]
+        if self.trainer.limit_val_batches != 0:
+            loaders.append(datamodule.val_dataloader())
+        cache = self._cache()
+        for loader in loaders:
+            for rows in loader or []:
+                if cache.missing(rows):
+                    self._reference_logps(rows, self._encode(rows))
+        cache.save()
+        # Every row's values are stored: the frozen copy is no longer needed (LoRA's costs nothing).
+        self.ref = None
+
+    # ---- steps ----------------------------------------------------------------------------------------
+    def _encode(self, rows: list[dict]):
+        hp = self.hparams
+        batch = encode_pairs(self.vlm, rows, hp.max_length, hp.one_vision_pass)
+        batch.inputs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.inputs.items()}
+        batch.completion_mask = batch.completion_mask.to(self.device)
+        return batch
+
+    def _loss(self, rows: list[dict], train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        hp = self.hparams
+        batch = self._encode(rows)
+        logps, _ = self.vlm.token_logps(batch.inputs, batch.completion_mask)
+        chosen, rejected = split_pairs(logps.sum(dim=1))
+        chosen_len, rejected_len = split_pairs(batch.completion_mask.sum(dim=1))
+        ref_chosen, ref_rejected = self._reference_logps(rows, batch)
+        inputs = PreferenceInputs(chosen, rejected, ref_chosen, ref_rejected, chosen_len, rejected_len)
+        if "bco_pair" in hp.loss_type and train:
+            # δ tracks the mean implicit reward over all ranks' pairs seen so far (TRL's RunningMoments).
+            rewards = hp.beta * torch.cat([chosen - ref_chosen, rejected - ref_rejected]).detach()
+            self.bco_delta.update(self.all_gather(rewards).flatten())
+        loss, metrics = weighted_preference_loss(
+            hp.loss_type, hp.loss_weights, inputs, hp.beta, hp.label_smoothing, self.bco_delta.mean
+        )
+        # A tie (policy == reference, e.g. before the first step) is a coin flip, not a miss: count it
+        # half, so an untrained policy reads 0.5 rather than 0.
+        margin = (chosen - ref_chosen) - (rejected - ref_rejected)
+        metrics["rewards/accuracies"] = ((margin > 0).float() + 0.5 * (margin == 0).float()).mean()
+        metrics["loss"] = loss.detach()
+        return loss, metrics
+
+    def training_step(self, rows: list[dict], batch_idx: int) -> torch.Tensor:
+        loss, metrics = self._loss(rows, train=True)
+        for name, value in metrics.items():
+            show = name in ("loss", "rewards/accuracies")
+            self.log(f"train/{name}", value, on_step=True, on_epoch=False, prog_bar=show, batch_size=len(rows))
+        return loss
+
+    def validation_step(self, rows: list[dict], batch_idx: int) -> None:
+        _, metrics = self._loss(rows, train=False)
+        for name, value in metrics.items():
+            metric = self.val_metrics[self._slot(name)]
+            metric.update(value, weight=len(rows))
+            self.log(f"val/{name}", metric, prog_bar=name == "rewards/accuracies", batch_size=len(rows))
+        greedy = SamplingSettings(max_new_tokens=self.hparams.val_max_new_tokens, temperature=0.0, do_sample=False)
+        rollouts = self.generator.generate(rows, num_generations=1, sampling=greedy)
+        references = [message_text(row["chosen"][-1]) for row in rows]
+        hits = [float(answers_match(t, r)) for t, r in zip(rollouts.completion_texts, references, strict=True)]
+        self.val_answer_accuracy.update(torch.tensor(hits, device=self.device))
+        self.log("val/answer_accuracy", self.val_answer_accuracy, prog_bar=True, batch_size=len(rows))
+
+    def on_train_epoch_end(self) -> None:
+        if self.ref_cache is not None:
+            self.ref_cache.save()
+
+    def configure_optimizers(self) -> Any:
+        return configure_optimizers(self, self.hparams.optimizer, self.hparams.scheduler)

@@ -1,0 +1,81 @@
+"""Preference rows -> one batch of 2B sequences (chosen and rejected of each pair side by side).
+
+The prompt (with its images) is processed once per pair and repeated for both answers, exactly as
+online RL repeats a prompt for its G completions; the answers are tokenised apart from the prompt,
+after the generation prompt, i.e. the tokens greedy generation would have to produce. Rows
+``2i`` and ``2i + 1`` are pair i's chosen and rejected answers and share image group i, so the
+vision tower runs once per pair (see ``lightning_vlm.models.vision_cache``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lightning_vlm.models.encoding import render
+from lightning_vlm.models.image_tokens import repeat_samples
+from lightning_vlm.models.vision_cache import repeated_groups, with_image_groups
+
+
+@dataclass
+class PairBatch:
+    """Encoded pairs: ``inputs`` (2B rows, chosen at even rows) and the answer-token mask [2B, L]."""
+
+    inputs: dict
+    completion_mask: torch.Tensor
+    num_pairs: int
+
+
+def answer_ids(vlm, prompt: list[dict], answer: list[dict], where: str) -> list[int]:
+    """Token ids of ``answer`` (assistant messages) after ``prompt``'s generation prompt, up to end-of-turn."""
+    head = render(vlm.processor, prompt, add_generation_prompt=True)
+    full = render(vlm.processor, prompt + answer)
+    if not full.startswith(head):
+        raise ValueError(
+            f"{where}: the chat template does not render the prompt as a prefix of prompt + answer, "
+            "so the answer tokens cannot be separated"
+        )
+    tail = full[len(head) :]
+    # Keep everything up to the last end-of-turn (what generation stops at); drop template trailers.
+    end = tail.rfind(vlm.end_of_turn)
+    tail = tail[: end + len(vlm.end_of_turn)] if end >= 0 else tail
+    return vlm.tokenizer(tail, add_special_tokens=False)["input_ids"]
+
+
+def encode_pairs(vlm, rows: list[dict], max_length: int | None = None, one_vision_pass: bool = True) -> PairBatch:
+    """Preference rows -> :class:`PairBatch`; ``max_length`` cuts answers (never the prompt) from the right."""
+    for i, row in enumerate(rows):
+        for column in ("chosen", "rejected"):
+            if any(b.get("type") == "image" for m in row[column] for b in _blocks(m)):
+                raise ValueError(f"row {i}: images inside {column!r} are not supported; put them in the prompt")
+    prompts = vlm.encode_prompts([r["prompt"] for r in rows], [r.get("images", []) for r in rows])
+    completions = []
+    for i, row in enumerate(rows):
+        for column in ("chosen", "rejected"):
+            completions.append(answer_ids(vlm, row["prompt"], row[column], f"row {i}, {column!r}"))
+    if max_length is not None:
+        prompt_len = prompts["attention_mask"].sum(dim=1)
+        for i, length in enumerate(prompt_len.tolist()):
+            room = max_length - length
+            if room < 1:
+                raise ValueError(
+                    f"row {i}: the prompt alone has {length} tokens, max_length={max_length} leaves no room for "
+                    "the answer (prompts and their image tokens are never truncated); raise max_length"
+                )
+            completions[2 * i] = completions[2 * i][:room]
+            completions[2 * i + 1] = completions[2 * i + 1][:room]
+    inputs = vlm.encode_prompt_completion(repeat_samples(prompts, 2, vlm.config), completions)
+    if one_vision_pass:
+        inputs = with_image_groups(inputs, repeated_groups(len(rows), 2))
+    return PairBatch(inputs=inputs, completion_mask=inputs["completion_mask"].bool(), num_pairs=len(rows))
+
+
+def _blocks(message: dict) -> list[dict]:
+    content = message["content"]
+    return [] if isinstance(content, str) else content
+
+
+def split_pairs(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence values [2B] -> (chosen [B], rejected [B])."""
+    return values[0::2], values[1::2]

@@ -1,0 +1,135 @@
+"""One generation's rollouts as tensors: encoded once, sliced into micro-batches for the optimizer steps.
+
+Prompts are encoded once per generation (one processor call for the P prompts and their images);
+a micro-batch of completions then selects its prompts' token rows and image extras by index, so
+the G completions of a prompt reuse the same processed pixels instead of re-running the processor.
+Completions are right-padded to the longest one of the generation, so per-token tensors of every
+micro-batch (old/ref/sampler log-probs, masks) are plain row slices of [N, T] tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_vlm.generation.base import Rollouts
+from lightning_vlm.models.encoding import TYPE_ID_KEYS, pad_completions
+from lightning_vlm.models.image_tokens import NUM_IMAGES_KEY, merge_image_inputs, split_image_inputs
+from lightning_vlm.models.vlm import VLM
+
+PROMPT_TOKEN_KEYS = ("input_ids", "attention_mask", *TYPE_ID_KEYS, NUM_IMAGES_KEY)
+
+
+@dataclass
+class RolloutBatch:
+    """Encoded prompts, padded completions and the per-completion quantities the losses read."""
+
+    rollouts: Rollouts
+    prompt_inputs: dict
+    prompt_images: list[dict]
+    prompt_index: torch.Tensor
+    completion_ids: torch.Tensor
+    token_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    pad_id: int
+    rewards: torch.Tensor
+    per_function: torch.Tensor
+    advantages: torch.Tensor | None = None
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+    sampler_logps: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
+    extras: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls,
+        vlm: VLM,
+        rollouts: Rollouts,
+        per_function: torch.Tensor,
+        rewards: torch.Tensor,
+        mask_truncated: bool = False,
+    ) -> RolloutBatch:
+        """Encode the prompts once and pad the completions; truncated ones are masked out if asked."""
+        rows = rollouts.rows
+        prompt_inputs = vlm.encode_prompts([r["prompt"] for r in rows], [r.get("images", []) for r in rows])
+        prompt_images = split_image_inputs(prompt_inputs, vlm.config)
+        ids, tokens = pad_completions(rollouts.completion_ids, vlm.pad_token_id)
+        mask = tokens
+        if mask_truncated:
+            # TRL's mask_truncated_completions: an unfinished answer is no evidence either way.
+            truncated = torch.tensor(rollouts.truncated, dtype=torch.bool)
+            mask = mask.masked_fill(truncated.unsqueeze(-1), 0)
+        sampler = None
+        if rollouts.logprobs is not None and all(
+            len(lp) == len(c) for lp, c in zip(rollouts.logprobs, rollouts.completion_ids, strict=True)
+        ):
+            sampler, _ = pad_completions([[0] * len(c) for c in rollouts.completion_ids], 0)
+            sampler = sampler.float()
+            for i, lp in enumerate(rollouts.logprobs):
+                sampler[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        return cls(
+            rollouts=rollouts,
+            prompt_inputs={k: v for k, v in prompt_inputs.items() if k in PROMPT_TOKEN_KEYS},
+            prompt_images=prompt_images,
+            prompt_index=torch.tensor(rollouts.prompt_index, dtype=torch.long),
+            completion_ids=ids,
+            token_mask=tokens,
+            completion_mask=mask,
+            pad_id=vlm.pad_token_id,
+            rewards=rewards,
+            per_function=per_function,
+            sampler_logps=sampler,
+        )
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """Move every tensor (prompt tensors and image extras included) to ``device``."""
+
+        def move(value):
+            return value.to(device) if torch.is_tensor(value) else value
+
+        for name in ("prompt_index", "completion_ids", "token_mask", "completion_mask", "rewards", "per_function",
+                     "advantages", "old_logps", "ref_logps", "sampler_logps", "is_weights"):  # fmt: skip
+            setattr(self, name, move(getattr(self, name)))
+        self.prompt_inputs = {k: move(v) for k, v in self.prompt_inputs.items()}
+        self.prompt_images = [{k: move(v) for k, v in d.items()} for d in self.prompt_images]
+        return self
+
+    def inputs(self, index: torch.Tensor, config) -> dict:
+        """Model inputs (prompt + completion, with ``completion_mask``) for the completions in ``index``."""
+        prompts = self.prompt_index[index]
+        out = merge_image_inputs([self.prompt_images[int(p)] for p in prompts], config)
+        for key, value in self.prompt_inputs.items():
+            out[key] = value[prompts]
+        completion_ids = self.completion_ids[index]
+        # Masked (truncated) completions still attend over all their tokens; only the loss mask drops them.
+        real = self.token_mask[index]
+        prompt_ids, prompt_mask = out.pop("input_ids"), out.pop("attention_mask")
+        out["input_ids"] = torch.cat([prompt_ids, completion_ids], dim=1)
+        out["attention_mask"] = torch.cat([prompt_mask, real.to(prompt_mask.dtype)], dim=1)
+        for key in TYPE_ID_KEYS:
+            if key in out:
+                out[key] = torch.cat([out[key], torch.zeros_like(completion_ids)], dim=1)
+        loss_mask = self.completion_mask[index].to(prompt_mask.dtype)
+        out["completion_mask"] = torch.cat([torch.zeros_like(prompt_mask), loss_mask], dim=1)
+        return out
+
+    @property
+    def prompt_width(self) -> int:
+        """Columns of the (left-padded) prompt part of every micro-batch's inputs."""
+        return self.prompt_inputs["input_ids"].shape[1]
+
+
+def index_chunks(n: int, parts: int, size: int | None) -> list[list[torch.Tensor]]:
+    """``n`` completions in ``parts`` consecutive optimizer-step chunks, each in micro-batches of ``size``."""
+    per_step = n // parts
+    chunks = []
+    for s in range(parts):
+        step = torch.arange(s * per_step, (s + 1) * per_step)
+        width = size or per_step
+        chunks.append([step[i : i + width] for i in range(0, per_step, width)])
+    return chunks

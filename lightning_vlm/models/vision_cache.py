@@ -1,0 +1,117 @@
+"""One vision pass per unique image set: sequences that share their images share the vision tower's work.
+
+DPO scores a chosen and a rejected answer after the same prompt and images; GRPO/RLOO score G
+completions of one prompt. The naive concatenated forward runs the vision tower once per
+*sequence*; here it runs once per *unique image set* and the features are reused.
+
+API (for DPO, online RL, anything that scores several sequences per image set):
+
+- Build the batch exactly as for the naive path, one row per sequence, each with its own image
+  extras (e.g. ``repeat_samples(vlm.encode_prompts(...), G)`` then ``vlm.encode_prompt_completion``).
+- Say which rows share images: ``inputs = with_image_groups(inputs, groups)`` where ``groups[i]`` is
+  any integer id, equal for rows with the same images (e.g. ``torch.arange(B).repeat_interleave(G)``;
+  see :func:`repeated_groups`). Rows of one group must carry identical image extras (checked).
+- Call the usual ``vlm.token_logps(inputs, mask)`` or ``ReferenceModel.token_logps(inputs, mask)``:
+  ``VLM.hidden_states`` sees the ``image_groups`` key and routes through :func:`shared_hidden_states`.
+
+How: the image extras of the first row of each group are merged into one small batch,
+``get_image_features`` runs once on it (with autograd when the tower trains: gradients of all
+rows sharing an image accumulate on its one feature tensor), the per-image features are indexed
+back into batch order and handed to the HF model as ``mm_encoder_outputs`` (transformers >= 5.19,
+every family of the zoo) instead of ``pixel_values``. Qwen keeps ``image_grid_thw`` and
+``mm_token_type_ids`` per row, so its 3-D rope positions are computed as in the naive forward. The
+log-probs equal the naive path's (tests/test_vision_cache.py, every tiny family, 1e-5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from .image_tokens import merge_image_inputs, num_images_per_sample, split_image_inputs
+
+IMAGE_GROUPS_KEY = "image_groups"
+# Image extras only the vision encoder reads; the rest (image_grid_thw, image_sizes) also steer the
+# language model's inputs (Qwen's rope positions) and stay per row.
+ENCODER_ONLY_KEYS = ("pixel_values", "pixel_attention_mask")
+
+
+def repeated_groups(num_sets: int, repeats: int) -> torch.Tensor:
+    """Group ids for ``repeat_samples(inputs, repeats)``: [0]*repeats + [1]*repeats + ..."""
+    return torch.arange(num_sets).repeat_interleave(repeats)
+
+
+def with_image_groups(inputs: dict, groups: torch.Tensor | Sequence[int]) -> dict:
+    """A copy of ``inputs`` whose rows with equal ``groups`` ids run the vision tower once per step."""
+    groups = torch.as_tensor(groups, dtype=torch.long).flatten()
+    batch = inputs["input_ids"].shape[0]
+    if groups.numel() != batch:
+        raise ValueError(f"image_groups has {groups.numel()} entries but the batch has {batch} rows")
+    return {**inputs, IMAGE_GROUPS_KEY: groups}
+
+
+def unique_image_inputs(inputs: dict, groups: torch.Tensor, config) -> tuple[dict, torch.Tensor]:
+    """Image extras of one row per group, and for every image of the batch the index of its unique image.
+
+    Raises ``ValueError`` naming the rows when two rows of one group carry different images.
+    """
+    per_row = split_image_inputs(inputs, config)
+    counts = num_images_per_sample(inputs, config)
+    first: dict[int, int] = {}
+    for i, g in enumerate(groups.tolist()):
+        first.setdefault(g, i)
+        rep = first[g]
+        if rep != i and not _same_images(per_row[i], per_row[rep], counts[i], counts[rep]):
+            raise ValueError(
+                f"rows {rep} and {i} share image group {g} but carry different images; "
+                "image_groups must only group rows with identical image inputs"
+            )
+    reps = list(first.values())
+    unique = merge_image_inputs([per_row[r] for r in reps], config)
+    offsets, start = {}, 0
+    for g, r in first.items():
+        offsets[g] = start
+        start += counts[r]
+    index = [offsets[g] + k for i, g in enumerate(groups.tolist()) for k in range(counts[i])]
+    return unique, torch.tensor(index, dtype=torch.long)
+
+
+def _same_images(a: dict, b: dict, count_a: int, count_b: int) -> bool:
+    if count_a != count_b or a.keys() != b.keys():
+        return False
+    return all(a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
+
+
+def image_features(backbone: torch.nn.Module, image_inputs: dict):
+    """``get_image_features`` on the given extras: per-image features (a tuple/list, or an [N, ...] tensor)."""
+    return backbone.get_image_features(**image_inputs, return_dict=True).pooler_output
+
+
+def index_features(features, index: torch.Tensor):
+    """Per-image ``features`` picked by ``index``, in the container type the model expects back."""
+    if isinstance(features, torch.Tensor):
+        return features.index_select(0, index.to(features.device))
+    picked = [features[j] for j in index.tolist()]
+    return tuple(picked) if isinstance(features, tuple) else picked
+
+
+def shared_hidden_states(vlm, inputs: dict, model: torch.nn.Module) -> torch.Tensor:
+    """Last hidden states [B, L, H] of ``model`` (a ``*ForConditionalGeneration``), one vision pass per group.
+
+    ``vlm`` is the :class:`~lightning_vlm.models.vlm.VLM` (for ``model_inputs`` and the config);
+    ``model`` is its HF model or a reference copy. Rows without images (or a text-only batch)
+    simply take the plain forward.
+    """
+    backbone = model.model
+    kwargs = vlm.model_inputs(inputs)
+    if "pixel_values" not in inputs or not any(num_images_per_sample(inputs, vlm.config)):
+        return backbone(**kwargs, use_cache=False).last_hidden_state
+    groups = inputs[IMAGE_GROUPS_KEY]
+    unique, index = unique_image_inputs(inputs, groups.cpu(), vlm.config)
+    features = index_features(image_features(backbone, unique), index)
+    for key in ENCODER_ONLY_KEYS:
+        kwargs.pop(key, None)
+    encoded = {"image": BaseModelOutputWithPooling(pooler_output=features)}
+    return backbone(**kwargs, mm_encoder_outputs=encoded, use_cache=False).last_hidden_state
