@@ -95,7 +95,9 @@ class Engine:
         sampling = dict(body.get("sampling") or {})
         unknown = set(sampling) - SAMPLING_FIELDS
         if unknown:
-            raise BadRequest(f"unsupported sampling fields {sorted(unknown)}; allowed: {sorted(SAMPLING_FIELDS)}")
+            raise BadRequest(
+                f"unsupported sampling fields {sorted(unknown)}; allowed: {sorted(SAMPLING_FIELDS)}"
+            )
         if sampling.get("logit_bias"):
             sampling["logit_bias"] = {int(k): float(v) for k, v in sampling["logit_bias"].items()}
         images = body.get("images") or []
@@ -185,7 +187,9 @@ def make_handler(engine: Engine, max_body: int) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             if self.path != "/health":
                 return self._send(404, {"error": f"no GET {self.path}"})
-            self._send(200, {"status": "ok", "model": engine.args.model, "weight_version": engine.weight_version})
+            self._send(
+                200, {"status": "ok", "model": engine.args.model, "weight_version": engine.weight_version}
+            )
 
         def do_POST(self) -> None:  # noqa: N802
             try:
@@ -202,7 +206,10 @@ def make_handler(engine: Engine, max_body: int) -> type[BaseHTTPRequestHandler]:
                 self._send(500, {"error": f"{type(exc).__name__}: {exc}"})
 
         def _route(self, raw: bytes) -> dict:
-            if self.path == "/update_weights" and self.headers.get("Content-Type") == "application/octet-stream":
+            if (
+                self.path == "/update_weights"
+                and self.headers.get("Content-Type") == "application/octet-stream"
+            ):
                 return engine.update_weights(blob=raw)
             try:
                 body = json.loads(raw or b"{}")
@@ -255,7 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     start = time.perf_counter()
     engine = Engine(args)
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(engine, int(args.max_request_mb * 2**20)))
+    server = ThreadingHTTPServer(
+        (args.host, args.port), make_handler(engine, int(args.max_request_mb * 2**20))
+    )
     # SIGTERM (the test's or a scheduler's stop) ends serve_forever like Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     host, port = server.server_address[:2]

@@ -34,12 +34,13 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
 
     log.info("Instantiating datamodule <%s>", cfg.data._target_)
-    datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
+    datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data, _convert_="all")
     log.info("Instantiating model <%s>", cfg.model._target_)
-    vlm = hydra.utils.instantiate(cfg.model)
+    vlm = hydra.utils.instantiate(cfg.model, _convert_="all")
     log.info("Instantiating method <%s>", cfg.method._target_)
     # The method receives the network (Lightning style: the system apart from the model).
-    module: L.LightningModule = hydra.utils.instantiate(cfg.method, vlm=vlm)
+    # _convert_="all": plain containers in hparams, so checkpoints load with weights_only=True.
+    module: L.LightningModule = hydra.utils.instantiate(cfg.method, vlm=vlm, _convert_="all")
 
     callbacks = instantiate_group(cfg.get("callbacks"))
     loggers = instantiate_group(cfg.get("logger"))

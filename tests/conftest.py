@@ -37,7 +37,6 @@ def sft_warm_start(tmp_path_factory):
     the tiny recipe, so repeated test runs reuse it.
     """
     from helpers import compose_train
-
     from lightning_vlm.models.tiny import default_cache_dir, recipe_hash
     from lightning_vlm.training import train
 

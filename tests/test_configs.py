@@ -6,10 +6,10 @@ import inspect
 
 import hydra
 import pytest
-from helpers import compose_train, group_options
 from hydra.utils import get_class, get_method
 from omegaconf import DictConfig, OmegaConf
 
+from helpers import compose_train, group_options
 from lightning_vlm.training import instantiate_group
 
 REAL_MODELS = ["qwen2_5_vl", "qwen2_5_vl_7b", "qwen2_vl", "gemma3", "llava_next", "smolvlm"]
@@ -62,3 +62,13 @@ def test_method_nodes_instantiate(method, tmp_path):
         logger=instantiate_group(OmegaConf.merge(cfg.logger, {"wandb": {"offline": True}})),
     )
     assert trainer.max_steps == cfg.trainer.max_steps
+
+
+@pytest.mark.parametrize("group", ["callbacks", "logger"])
+def test_callback_and_logger_options_instantiate(group, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for option in group_options(group):
+        cfg = compose_train([f"{group}={option}"], tmp_path)
+        nodes = cfg[group] or {}
+        built = instantiate_group(nodes)
+        assert len(built) == sum(1 for node in nodes.values() if "_target_" in node)

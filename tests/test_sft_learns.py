@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from helpers import compose_train
 
+from helpers import compose_train
 from lightning_vlm.training import train
 
 

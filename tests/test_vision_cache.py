@@ -105,7 +105,9 @@ def test_groups_of_g_completions_and_the_reference_take_the_shared_path(vlms):
 
     vlm = vlms("qwen2_5_vl")
     rows = synthetic_rows("prompt", 2, seed=4)
-    prompts = repeat_samples(vlm.encode_prompts([r["prompt"] for r in rows], [r["images"] for r in rows]), 3, vlm.config)
+    prompts = repeat_samples(
+        vlm.encode_prompts([r["prompt"] for r in rows], [r["images"] for r in rows]), 3, vlm.config
+    )
     completions = [[300 + i, vlm.end_of_turn_id] for i in range(6)]
     inputs = vlm.encode_prompt_completion(prompts, completions)
     grouped = with_image_groups(inputs, repeated_groups(2, 3))

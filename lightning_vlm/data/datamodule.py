@@ -17,9 +17,9 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import lightning as L
-import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_vlm.data.resumable import ResumableDataLoader
 from lightning_vlm.data.rows import RowError, load_row, normalize_row
 from lightning_vlm.data.sources import Source, load_source, plain
 
@@ -210,13 +210,13 @@ class VLMDataModule(L.LightningDataModule):
         self.val_dataset = self._dataset(val, val_indices) if val is not None and val_indices else None
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled (from ``seed``) batches of normalised rows."""
+        """Shuffled (from ``seed`` and the epoch) batches of normalised rows; resumable mid-epoch."""
         hp = self.hparams
-        return DataLoader(
+        return ResumableDataLoader(
             self.train_dataset,
             batch_size=hp.batch_size,
+            seed=hp.seed,
             shuffle=hp.shuffle,
-            generator=torch.Generator().manual_seed(hp.seed),
             collate_fn=collate_rows,
             num_workers=hp.num_workers,
             persistent_workers=hp.num_workers > 0,

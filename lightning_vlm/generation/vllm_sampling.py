@@ -16,7 +16,7 @@ from lightning_vlm.generation.base import Rollouts, SamplingSettings, cut_at_eos
 SUPPRESS_BIAS = -100.0
 # Rollouts.extras key: the sampler is not the policy itself, so the online method must apply the
 # importance-sampling correction with these log-probs.
-OFF_POLICY_KEY = "sampler_is_policy"
+OFF_POLICY_KEY = "is_policy"
 
 
 def sampling_kwargs(

@@ -94,7 +94,9 @@ class VLLMServerClient:
 
     def generate(self, prompts: list[str], images: list[list[str]], sampling: dict) -> dict:
         """Completions for templated prompts with base64 images; G = ``sampling["n"]`` per prompt."""
-        return self.request("POST", "/generate", json={"prompts": prompts, "images": images, "sampling": sampling})
+        return self.request(
+            "POST", "/generate", json={"prompts": prompts, "images": images, "sampling": sampling}
+        )
 
     def update_weights_from_path(self, path: str | Path) -> dict:
         """Reload from a folder of safetensors that the server can read (shared filesystem)."""
@@ -132,7 +134,7 @@ class VLLMServerGenerator:
     or in the request body (``transfer="body"``). Same sampling behaviour as ``HFGenerator``.
     """
 
-    samples_from_policy = False
+    is_policy = False
 
     def __init__(
         self, vlm: Any, client: VLLMServerClient, transfer: str = "folder", sync_dir: str | None = None
@@ -179,3 +181,42 @@ class VLLMServerGenerator:
         self.client.close()
         if self._tmp is not None:
             self._tmp.cleanup()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now on ``host`` (the OS picks it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_server(
+    model: str, port: int | None = None, host: str = "127.0.0.1", args: list[str] | None = None,
+    log_path: str | None = None,
+) -> tuple[Any, str]:  # fmt: skip
+    """Start ``python -m lightning_vlm.serve`` in a subprocess; returns (process, url). Not waited for."""
+    import os
+    import subprocess
+    import sys
+
+    port = port or free_port(host)
+    cmd = [sys.executable, "-m", "lightning_vlm.serve", str(model), "--host", host, "--port", str(port)]
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (lives with the process)
+    env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    proc = subprocess.Popen([*cmd, *(args or [])], stdout=out, stderr=subprocess.STDOUT, env=env)
+    return proc, f"http://{host}:{port}"
+
+
+def stop_server(proc: Any, timeout: float = 30.0) -> int:
+    """SIGTERM the server process (it shuts down cleanly), SIGKILL after ``timeout``; its exit code."""
+    import subprocess
+
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait(timeout)

@@ -21,6 +21,7 @@ import torch
 from lightning_vlm.models.weight_names import hf_to_vllm_names
 
 log = logging.getLogger(__name__)
+_PEFT_PREFIX = "base_model.model."
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -40,26 +41,37 @@ def _lora_merged_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             raise NotImplementedError(f"DoRA layer {name!r}: weight sync supports plain LoRA only")
         weight = module.get_base_layer().weight.detach()
         if not module.merged and not module.disable_adapters:
-            delta = sum(
-                module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A
-            )
+            delta = sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
             weight = weight + delta if torch.is_tensor(delta) else weight
         merged[f"{name}.base_layer.weight"] = weight
     return merged
 
 
 def policy_weights(vlm: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """The policy's full weights under vLLM's names, LoRA adapters merged in (not in place)."""
+    """The policy's full weights under the checkpoint's names, LoRA adapters merged in (not in place).
+
+    Names are those ``save_pretrained`` writes (transformers 5 reverts its load-time renames, e.g.
+    Qwen2.5-VL's ``model.language_model.*`` back to ``model.*``): vLLM's own model classes accept
+    either form, but the transformers backend (``model_impl="transformers"``) only the checkpoint's.
+    """
     model = vlm.model
     merged = _lora_merged_weights(model) if vlm.is_lora else {}
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if ".lora_" in name or ".original_module." in name:
+            continue  # adapter factors are merged above; PEFT's untouched copy is not the policy
+        tensor = merged.get(name, tensor).detach()
+        name = name.replace(".modules_to_save.default.", ".").replace(".base_layer.", ".")
+        state[name.removeprefix(_PEFT_PREFIX)] = tensor
+    return hf_to_vllm_names(vlm.model_type, _checkpoint_names(vlm.hf_model, state).items())
 
-    def items() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in model.state_dict().items():
-            if ".lora_" in name or ".original_module." in name:
-                continue  # adapter factors are merged above; PEFT's untouched copy is not the policy
-            yield name.replace(".modules_to_save.default.", "."), merged.get(name, tensor).detach()
 
-    return hf_to_vllm_names(vlm.model_type, items())
+def _checkpoint_names(hf_model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers < 5 keeps checkpoint names in the model
+        return state
+    return revert_weight_conversion(hf_model, state)
 
 
 def reset_vllm_caches(llm: Any) -> None:
@@ -73,15 +85,36 @@ def load_into_engine(llm: Any, weights: Any = None, weights_path: str | None = N
     if (weights is None) == (weights_path is None):
         raise ValueError("give exactly one of weights or weights_path")
     start = time.perf_counter()
-    if weights is not None:
-        # An iterator only crosses no process boundary; with workers in other processes
-        # (tensor parallel) it must be a picklable list.
-        kwargs = {"weights_iterator": weights}
-    else:
-        kwargs = {"weights_path": os.fspath(weights_path)}
+    if weights is None and _engine_in_process():
+        # reload_weights(weights_path=...) repoints the engine's model_config at that folder, and
+        # an in-process frontend shares that config: its next image request would look for the
+        # processor files there. Stream the folder's tensors instead.
+        weights = read_weights(weights_path)
+    # An iterator crosses no process boundary: callers with workers in other processes (tensor
+    # parallel) pass a list, and a folder is read by the engine process itself.
+    kwargs = (
+        {"weights_iterator": weights} if weights is not None else {"weights_path": os.fspath(weights_path)}
+    )
     llm.collective_rpc("reload_weights", kwargs=kwargs)
     reset_vllm_caches(llm)
     return time.perf_counter() - start
+
+
+def _engine_in_process() -> bool:
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+
+
+def read_weights(dirpath: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (name, tensor) from every ``*.safetensors`` file of a folder."""
+    from safetensors import safe_open
+
+    files = sorted(Path(dirpath).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {os.fspath(dirpath)!r}")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
 
 
 def sync_colocated(llm: Any, vlm: Any, in_process: bool = True) -> float:

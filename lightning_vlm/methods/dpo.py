@@ -48,10 +48,14 @@ class DPO(L.LightningModule):
     ) -> None:
         super().__init__()
         if isinstance(loss_type, str):
-            raise TypeError(f"loss_type must be a list of names, e.g. [{loss_type}], not the string {loss_type!r}")
+            raise TypeError(
+                f"loss_type must be a list of names, e.g. [{loss_type}], not the string {loss_type!r}"
+            )
         loss_type = [str(t) for t in loss_type]
         loss_weights = None if loss_weights is None else [float(w) for w in loss_weights]
-        self.save_hyperparameters(ignore=["vlm"])
+        # Factories stay out of hparams: checkpoints then hold plain values and load with weights_only=True.
+        self.save_hyperparameters(ignore=["vlm", "optimizer", "scheduler"])
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.hparams.update(loss_type=loss_type, loss_weights=loss_weights)
         # Fail at construction, naming the setting, rather than at the first training step.
         zeros = torch.zeros(1)
@@ -85,7 +89,9 @@ class DPO(L.LightningModule):
     @torch.no_grad()
     def _compute_ref(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ref is None:
-            raise RuntimeError("the reference model was released after precomputing; a row is missing from the cache")
+            raise RuntimeError(
+                "the reference model was released after precomputing; a row is missing from the cache"
+            )
         logps, _ = self.ref.token_logps(batch.inputs, batch.completion_mask)
         return split_pairs(logps.sum(dim=1))
 
@@ -153,7 +159,9 @@ class DPO(L.LightningModule):
         loss, metrics = self._loss(rows, train=True)
         for name, value in metrics.items():
             show = name in ("loss", "rewards/accuracies")
-            self.log(f"train/{name}", value, on_step=True, on_epoch=False, prog_bar=show, batch_size=len(rows))
+            self.log(
+                f"train/{name}", value, on_step=True, on_epoch=False, prog_bar=show, batch_size=len(rows)
+            )
         return loss
 
     def validation_step(self, rows: list[dict], batch_idx: int) -> None:
@@ -162,10 +170,14 @@ class DPO(L.LightningModule):
             metric = self.val_metrics[self._slot(name)]
             metric.update(value, weight=len(rows))
             self.log(f"val/{name}", metric, prog_bar=name == "rewards/accuracies", batch_size=len(rows))
-        greedy = SamplingSettings(max_new_tokens=self.hparams.val_max_new_tokens, temperature=0.0, do_sample=False)
+        greedy = SamplingSettings(
+            max_new_tokens=self.hparams.val_max_new_tokens, temperature=0.0, do_sample=False
+        )
         rollouts = self.generator.generate(rows, num_generations=1, sampling=greedy)
         references = [message_text(row["chosen"][-1]) for row in rows]
-        hits = [float(answers_match(t, r)) for t, r in zip(rollouts.completion_texts, references, strict=True)]
+        hits = [
+            float(answers_match(t, r)) for t, r in zip(rollouts.completion_texts, references, strict=True)
+        ]
         self.val_answer_accuracy.update(torch.tensor(hits, device=self.device))
         self.log("val/answer_accuracy", self.val_answer_accuracy, prog_bar=True, batch_size=len(rows))
 
@@ -174,4 +186,4 @@ class DPO(L.LightningModule):
             self.ref_cache.save()
 
     def configure_optimizers(self) -> Any:
-        return configure_optimizers(self, self.hparams.optimizer, self.hparams.scheduler)
+        return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory)

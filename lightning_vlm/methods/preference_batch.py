@@ -43,12 +43,16 @@ def answer_ids(vlm, prompt: list[dict], answer: list[dict], where: str) -> list[
     return vlm.tokenizer(tail, add_special_tokens=False)["input_ids"]
 
 
-def encode_pairs(vlm, rows: list[dict], max_length: int | None = None, one_vision_pass: bool = True) -> PairBatch:
+def encode_pairs(
+    vlm, rows: list[dict], max_length: int | None = None, one_vision_pass: bool = True
+) -> PairBatch:
     """Preference rows -> :class:`PairBatch`; ``max_length`` cuts answers (never the prompt) from the right."""
     for i, row in enumerate(rows):
         for column in ("chosen", "rejected"):
             if any(b.get("type") == "image" for m in row[column] for b in _blocks(m)):
-                raise ValueError(f"row {i}: images inside {column!r} are not supported; put them in the prompt")
+                raise ValueError(
+                    f"row {i}: images inside {column!r} are not supported; put them in the prompt"
+                )
     prompts = vlm.encode_prompts([r["prompt"] for r in rows], [r.get("images", []) for r in rows])
     completions = []
     for i, row in enumerate(rows):

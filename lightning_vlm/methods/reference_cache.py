@@ -53,7 +53,7 @@ def weights_fingerprint(model: torch.nn.Module, skip: tuple[str, ...] = ("lora_"
         h.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
         t = tensor.detach().cpu().contiguous()
         # Raw bytes: any change of any value changes the digest (bf16 has no numpy view, hence the cast).
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -89,7 +89,9 @@ class ReferenceLogpCache:
         for i, row in enumerate(rows):
             key = row_key(row)
             if key not in self.values:
-                raise KeyError(f"row {i} of the batch has no precomputed reference log-probs (key {key[:12]})")
+                raise KeyError(
+                    f"row {i} of the batch has no precomputed reference log-probs (key {key[:12]})"
+                )
             out.append(self.values[key])
         values = torch.tensor(out, dtype=torch.float64).reshape(len(rows), 2)
         return values[:, 0], values[:, 1]

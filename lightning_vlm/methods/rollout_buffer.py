@@ -3,6 +3,8 @@
 Prompts are encoded once per generation (one processor call for the P prompts and their images);
 a micro-batch of completions then selects its prompts' token rows and image extras by index, so
 the G completions of a prompt reuse the same processed pixels instead of re-running the processor.
+Each micro-batch carries ``image_groups`` (its rows' prompt), so the vision tower runs once per
+prompt image per forward (``models/vision_cache.py``), not once per completion.
 Completions are right-padded to the longest one of the generation, so per-token tensors of every
 micro-batch (old/ref/sampler log-probs, masks) are plain row slices of [N, T] tensors.
 """
@@ -16,6 +18,7 @@ import torch
 from lightning_vlm.generation.base import Rollouts
 from lightning_vlm.models.encoding import TYPE_ID_KEYS, pad_completions
 from lightning_vlm.models.image_tokens import NUM_IMAGES_KEY, merge_image_inputs, split_image_inputs
+from lightning_vlm.models.vision_cache import with_image_groups
 from lightning_vlm.models.vlm import VLM
 
 PROMPT_TOKEN_KEYS = ("input_ids", "attention_mask", *TYPE_ID_KEYS, NUM_IMAGES_KEY)
@@ -116,7 +119,8 @@ class RolloutBatch:
                 out[key] = torch.cat([out[key], torch.zeros_like(completion_ids)], dim=1)
         loss_mask = self.completion_mask[index].to(prompt_mask.dtype)
         out["completion_mask"] = torch.cat([torch.zeros_like(prompt_mask), loss_mask], dim=1)
-        return out
+        # Completions of one prompt share its images: one vision pass per prompt, not per completion.
+        return with_image_groups(out, prompts.cpu())
 
     @property
     def prompt_width(self) -> int:

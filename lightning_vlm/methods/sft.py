@@ -29,7 +29,9 @@ class SFT(L.LightningModule):
         val_max_new_tokens: int = 16,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["vlm"])
+        # Factories stay out of hparams: checkpoints then hold plain values and load with weights_only=True.
+        self.save_hyperparameters(ignore=["vlm", "optimizer", "scheduler"])
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.vlm = vlm
         self.generator = HFGenerator(vlm)
         self.train_token_accuracy = MeanMetric()
@@ -77,4 +79,4 @@ class SFT(L.LightningModule):
         self.log("val/answer_accuracy", self.val_answer_accuracy, prog_bar=True, batch_size=len(rows))
 
     def configure_optimizers(self) -> Any:
-        return configure_optimizers(self, self.hparams.optimizer, self.hparams.scheduler)
+        return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory)

@@ -79,7 +79,12 @@ class VLM(torch.nn.Module):
             kwargs.setdefault("target_modules", self.language_lora_targets(model))
             kwargs.setdefault("task_type", "CAUSAL_LM")
             model = get_peft_model(model, LoraConfig(**kwargs))
+        # from_pretrained returns eval mode; Lightning keeps modes as it finds them, so without this
+        # dropout would silently stay off in training. A frozen vision tower stays in eval mode.
+        model.train()
         self.model = model
+        if freeze_vision_tower:
+            self.vision_tower.eval()  # found through the PEFT wrapper
         self.pad_token_id: int = (
             self.tokenizer.pad_token_id
             if self.tokenizer.pad_token_id is not None

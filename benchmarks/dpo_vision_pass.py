@@ -1,0 +1,146 @@
+"""DPO step (forward + backward over chosen and rejected): one vision pass per pair vs the naive forward.
+
+Usage: ``python benchmarks/dpo_vision_pass.py [--repeats 7] [--out benchmarks/results/dpo_vision_pass.json]``.
+Measures, in one run and interleaved (so machine noise hits both paths alike), the median step time
+and the peak memory of both paths for a few batch sizes on two models: the tiny zoo Qwen2.5-VL
+(112 px images, 16 image tokens) and the same recipe with a larger vision tower (depth 8, width
+256) and 224 px images (64 image tokens), where the vision tower is a real share of the step.
+Peak memory: ``torch.cuda.max_memory_allocated`` on GPU; on CPU the rise of the process's resident
+set high-water mark (VmHWM, reset through /proc/self/clear_refs) above its resident size before the
+step, with glibc told to return large blocks to the OS (else freed memory hides the next peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Big tensors via mmap, unmapped on free: the resident set then follows live tensors.
+if "MALLOC_MMAP_THRESHOLD_" not in os.environ and sys.platform == "linux":
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    os.execv(sys.executable, [sys.executable, *sys.argv])
+
+import torch  # noqa: E402
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lightning_vlm.data.synthetic import synthetic_rows  # noqa: E402
+from lightning_vlm.methods.preference_batch import encode_pairs  # noqa: E402
+from lightning_vlm.models.tiny import tiny_vlm_path  # noqa: E402
+from lightning_vlm.models.vision_cache import IMAGE_GROUPS_KEY  # noqa: E402
+from lightning_vlm.models.vlm import VLM  # noqa: E402
+
+
+def large_vision_model(folder: Path) -> Path:
+    """The tiny Qwen2.5-VL recipe with a 8-layer, 256-wide vision tower (random weights), saved to ``folder``."""
+    base = tiny_vlm_path("qwen2_5_vl")
+    config = AutoConfig.from_pretrained(base)
+    config.vision_config.update({"depth": 8, "hidden_size": 256, "intermediate_size": 1024, "num_heads": 4,
+                                 "fullatt_block_indexes": [3, 7]})  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(folder)
+    AutoProcessor.from_pretrained(base).save_pretrained(folder)
+    return folder
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def measure(vlm: VLM, inputs: dict, mask: torch.Tensor, device: torch.device) -> tuple[float, float]:
+    """Seconds and peak extra bytes of one forward + backward."""
+    vlm.model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
+        base = _status("VmRSS:")
+    start = time.perf_counter()
+    logps, _ = vlm.token_logps(inputs, mask)
+    logps.sum().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = _status("VmHWM:")
+    return time.perf_counter() - start, float(peak - base)
+
+
+def run(name: str, vlm: VLM, pairs: list[int], repeats: int, device: torch.device) -> list[dict]:
+    """Both paths at each number of pairs; medians and ratios."""
+    vlm.model.to(device).train()
+    results = []
+    for num_pairs in pairs:
+        batch = encode_pairs(vlm, synthetic_rows("preference", num_pairs, seed=0))
+        shared = {k: v.to(device) for k, v in batch.inputs.items()}
+        naive = {k: v for k, v in shared.items() if k != IMAGE_GROUPS_KEY}
+        mask = batch.completion_mask.to(device)
+        samples: dict[str, list[tuple[float, float]]] = {"one_pass": [], "naive": []}
+        for _ in range(2):  # warm-up (allocator, kernels)
+            measure(vlm, shared, mask, device)
+            measure(vlm, naive, mask, device)
+        for _ in range(repeats):
+            samples["one_pass"].append(measure(vlm, shared, mask, device))
+            samples["naive"].append(measure(vlm, naive, mask, device))
+        row = {"model": name, "pairs": num_pairs, "sequences": 2 * num_pairs,
+               "image_tokens_per_image": int((batch.inputs["input_ids"][0] == vlm.config.image_token_id).sum())}  # fmt: skip
+        for path, values in samples.items():
+            row[f"{path}_step_s_median"] = statistics.median(t for t, _ in values)
+            row[f"{path}_peak_mib_median"] = statistics.median(m for _, m in values) / 2**20
+            row[f"{path}_step_s_all"] = [round(t, 5) for t, _ in values]
+        row["time_ratio_naive_over_one_pass"] = row["naive_step_s_median"] / row["one_pass_step_s_median"]
+        row["memory_ratio_naive_over_one_pass"] = row["naive_peak_mib_median"] / max(
+            row["one_pass_peak_mib_median"], 1e-9
+        )
+        print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
+        results.append(row)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--pairs", type=int, nargs="+", default=[4, 16])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "dpo_vision_pass.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tmp = Path(tempfile.mkdtemp(prefix="dpo-bench-"))
+    try:
+        results = run("tiny_qwen2_5_vl", VLM(str(tiny_vlm_path("qwen2_5_vl")), freeze_vision_tower=False),
+                      args.pairs, args.repeats, device)  # fmt: skip
+        large = VLM(str(large_vision_model(tmp / "large")), freeze_vision_tower=False,
+                    processor_kwargs={"min_pixels": 224 * 224, "max_pixels": 224 * 224})  # fmt: skip
+        results += run("qwen2_5_vl_vision8x256_224px", large, args.pairs, args.repeats, device)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    report = {
+        "what": "forward+backward of summed answer log-probs over chosen+rejected; vision tower trainable",
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({args.threads} threads)",
+        "memory": "cuda max_memory_allocated" if device.type == "cuda" else "VmHWM rise over VmRSS",
+        "repeats": args.repeats,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "results": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Switch an online method's sampling from HF ``generate`` to vLLM (colocated or server), with weight sync.
+
+Selected by ``generation=vllm_colocate`` or ``generation=vllm_server``. The method keeps computing
+the same loss; only ``pl_module.generator`` is replaced, and since vLLM holds a *copy* of the policy
+the rollouts are flagged ``is_policy=False`` so the method applies the importance-sampling correction
+with vLLM's log-probs. The weights are pushed before each generation whenever they changed, i.e.
+whenever ``trainer.global_step`` moved (every optimizer step moves it, manual optimisation included).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import lightning as L
+
+log = logging.getLogger(__name__)
+MODES = ("colocate", "server")
+
+
+class VLLMGeneration(L.Callback):
+    """Builds (colocate) or connects to (server) a vLLM engine at setup and hands the module a generator.
+
+    Colocate options follow TRL's ``vllm_*`` names. Server: ``server_url`` of a running
+    ``lightning_vlm.serve`` (not stopped by this callback), or ``start_server=True`` to spawn one on a
+    free loopback port that this callback owns and stops. ``weight_transfer``: "folder" (safetensors
+    written to ``sync_dir``, read by the server: a shared filesystem) or "body" (sent over HTTP).
+    """
+
+    def __init__(
+        self,
+        mode: str = "colocate",
+        gpu_memory_utilization: float = 0.3,
+        max_model_len: int = 1024,
+        tensor_parallel_size: int = 1,
+        enable_sleep_mode: bool = False,
+        dtype: str = "auto",
+        model_impl: str = "vllm",
+        limit_mm_per_prompt: dict[str, int] | None = None,
+        logprobs_mode: str = "processed_logprobs",
+        weight_sync: str = "merged",
+        seed: int = 0,
+        engine_kwargs: dict[str, Any] | None = None,
+        server_url: str = "http://127.0.0.1:8000",
+        start_server: bool = False,
+        server_args: list[str] | None = None,
+        server_timeout: float = 300.0,
+        connect_timeout: float = 5.0,
+        retries: int = 2,
+        wait_for_server: float = 180.0,
+        weight_transfer: str = "folder",
+        sync_dir: str | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        from lightning_vlm.generation.vllm_colocate import WEIGHT_SYNCS, check_engine_settings
+        from lightning_vlm.generation.vllm_server_client import TRANSFERS
+
+        check_engine_settings(gpu_memory_utilization, max_model_len, tensor_parallel_size, model_impl)
+        if weight_sync not in WEIGHT_SYNCS or (weight_sync == "adapter" and mode == "server"):
+            raise ValueError(
+                f"weight_sync must be one of {WEIGHT_SYNCS} ('adapter': colocate only), got {weight_sync!r}"
+            )
+        if weight_transfer not in TRANSFERS:
+            raise ValueError(f"weight_transfer must be one of {TRANSFERS}, got {weight_transfer!r}")
+        self.mode = mode
+        self.engine_options = dict(
+            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size, enable_sleep_mode=enable_sleep_mode, dtype=dtype,
+            model_impl=model_impl, limit_mm_per_prompt=limit_mm_per_prompt, logprobs_mode=logprobs_mode,
+            weight_sync=weight_sync, seed=seed, **(engine_kwargs or {}),
+        )  # fmt: skip
+        self.server = dict(url=server_url, timeout=server_timeout, connect_timeout=connect_timeout,
+                           retries=retries)  # fmt: skip
+        self.start_server = start_server
+        self.server_args = list(server_args or [])
+        self.wait_for_server = wait_for_server
+        self.weight_transfer = weight_transfer
+        self.sync_dir = sync_dir
+        self.generator: Any = None
+        self._previous: Any = None
+        self._server_process: Any = None
+        self._synced_step: int | None = None
+        self.sync_seconds: list[float] = []
+
+    # ---- building and tearing down ---------------------------------------------------------------------
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.generator is not None:
+            return
+        if not hasattr(pl_module, "generator") or not hasattr(pl_module, "vlm"):
+            raise TypeError(
+                f"VLLMGeneration needs a module with `vlm` and a replaceable `generator` (an online "
+                f"method); {type(pl_module).__name__} has not"
+            )
+        if trainer.world_size > 1:
+            # One engine per rank with every rank syncing is wasteful and untested: refuse clearly.
+            raise NotImplementedError("VLLMGeneration supports one training process (world_size 1) for now")
+        start = time.perf_counter()
+        self.generator = self._build(pl_module.vlm)
+        if self.mode == "colocate" and self.engine_options["model_impl"] == "transformers":
+            self._shield(pl_module)
+        self._previous, pl_module.generator = pl_module.generator, self.generator
+        self._synced_step = None
+        log.info("vLLM %s generator ready in %.1f s", self.mode, time.perf_counter() - start)
+
+    def _build(self, vlm: Any) -> Any:
+        if self.mode == "colocate":
+            from lightning_vlm.generation.vllm_colocate import VLLMColocateGenerator
+
+            return VLLMColocateGenerator(vlm, **self.engine_options)
+        from lightning_vlm.generation.vllm_server_client import (
+            VLLMServerClient,
+            VLLMServerGenerator,
+            start_server,
+        )
+
+        if self.start_server:
+            self._server_process, self.server["url"] = start_server(
+                vlm.model_name_or_path, args=self._server_cli_args()
+            )
+        client = VLLMServerClient(**self.server)
+        try:
+            client.wait_until_ready(self.wait_for_server)
+        except Exception:
+            self._stop_owned_server()
+            raise
+        return VLLMServerGenerator(vlm, client, transfer=self.weight_transfer, sync_dir=self.sync_dir)
+
+    @staticmethod
+    def _shield(pl_module: L.LightningModule) -> None:
+        # vLLM's transformers backend patched the decoder class process-wide: every HF instance built
+        # before (policy, frozen reference copy) must be told to skip vLLM's compile wrapper.
+        from lightning_vlm.generation.vllm_colocate import shield_from_vllm_compile
+
+        shield_from_vllm_compile(pl_module)
+        reference = getattr(getattr(pl_module, "ref", None), "copy", None)
+        if reference is not None:
+            shield_from_vllm_compile(reference)
+
+    def _server_cli_args(self) -> list[str]:
+        o = self.engine_options
+        args = ["--max-model-len", str(o["max_model_len"]), "--dtype", o["dtype"],
+                "--gpu-memory-utilization", str(o["gpu_memory_utilization"]),
+                "--tensor-parallel-size", str(o["tensor_parallel_size"]), "--model-impl", o["model_impl"],
+                "--logprobs-mode", o["logprobs_mode"], "--seed", str(o["seed"])]  # fmt: skip
+        if o["limit_mm_per_prompt"]:
+            args += ["--max-images", str(o["limit_mm_per_prompt"].get("image", 1))]
+        if o["enable_sleep_mode"]:
+            args.append("--enable-sleep-mode")
+        return args + self.server_args
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._close(pl_module)
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        self._close(pl_module)
+
+    def _close(self, pl_module: L.LightningModule) -> None:
+        generator, self.generator = self.generator, None
+        if generator is None:
+            return
+        if getattr(pl_module, "generator", None) is generator:
+            pl_module.generator = self._previous
+        self._previous = None
+        try:
+            generator.close()
+        finally:
+            self._stop_owned_server()
+
+    def _stop_owned_server(self) -> None:
+        if self._server_process is not None:
+            from lightning_vlm.generation.vllm_server_client import stop_server
+
+            stop_server(self._server_process)
+            self._server_process = None
+
+    # ---- weight sync and sleep -------------------------------------------------------------------------
+    def _sync_if_changed(self, trainer: L.Trainer) -> float | None:
+        # The first generation always syncs too: the engine loaded the checkpoint from disk, while the
+        # policy may come from a resumed Lightning checkpoint or carry adapters.
+        if self.generator is None or trainer.global_step == self._synced_step:
+            return None
+        seconds = self.generator.sync_weights()
+        self._synced_step = trainer.global_step
+        self.sync_seconds.append(seconds)
+        return seconds
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:  # fmt: skip
+        seconds = self._sync_if_changed(trainer)
+        if seconds is not None:
+            pl_module.log("train/vllm_sync_seconds", seconds, batch_size=1)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._sync_if_changed(trainer)
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
+        # Generation is over for this step: give the engine's GPU memory to the backward pass.
+        if self.generator is not None:
+            self.generator.sleep()

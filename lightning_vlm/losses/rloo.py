@@ -1,0 +1,49 @@
+"""RLOO's policy loss (Ahmadian et al. 2024, as TRL's RLOOTrainer): one clipped ratio per sequence.
+
+Unlike GSPO's length-normalised ratio, RLOO treats the whole completion as one action: the ratio is
+the likelihood ratio of the sequence, exp(Σ_t (logp_t - old_t)), the SUM of token log-ratios. The
+KL penalty is already in the reward (``advantages.kl_penalized_rewards``), so there is no KL term.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sequence_log_ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log π(y)/π_old(y) = Σ_t mask·(logp_t - old_t), one value per sequence [N]."""
+    return ((logps - old_logps) * mask.to(logps.dtype)).sum(-1)
+
+
+def rloo_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    num_sequences_in_batch: int | float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Σ_i -min(s_i·A_i, clip(s_i, 1-ε_l, 1+ε_h)·A_i) / N with s_i = exp(Σ_t logp - old), and metrics.
+
+    ``old_logps=None`` is on-policy: s = 1 in value, and the gradient is REINFORCE's -A·Σ_t ∇logp_t.
+    ``num_sequences_in_batch`` replaces the local N so gradient accumulation gives the full-batch update.
+    """
+    if old_logps is None:
+        old_logps = logps.detach()
+    eps_high = epsilon_low if epsilon_high is None else epsilon_high
+    ratio = torch.exp(sequence_log_ratio(logps, old_logps, mask))
+    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + eps_high)
+    per_sequence = -torch.min(ratio * advantages, clipped * advantages)
+    n = per_sequence.shape[0] if num_sequences_in_batch is None else num_sequences_in_batch
+    loss = per_sequence.sum() / n
+    with torch.no_grad():
+        r = ratio.detach()
+        stats = {
+            "clip_ratio/low": ((r < 1.0 - epsilon_low) & (advantages < 0)).float().mean(),
+            "clip_ratio/high": ((r > 1.0 + eps_high) & (advantages > 0)).float().mean(),
+            "ratio/mean": r.mean(),
+            "ratio/min": r.min(),
+            "ratio/max": r.max(),
+        }
+    return loss, stats

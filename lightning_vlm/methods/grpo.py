@@ -1,0 +1,78 @@
+"""GRPO (Shao et al. 2024) and, by configuration, GSPO (Zheng et al. 2025; ``importance_sampling_level: sequence``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_vlm.losses.advantages import SCALE_REWARDS, group_advantages
+from lightning_vlm.losses.policy import LEVELS, LOSS_TYPES, policy_loss
+from lightning_vlm.methods.online import OnlineRL
+from lightning_vlm.methods.rollout_buffer import RolloutBatch
+
+
+class GRPO(OnlineRL):
+    """Group-normalised advantages and the clipped surrogate (+ β·k3 KL), TRL's settings and names."""
+
+    def __init__(
+        self,
+        *args: Any,
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        loss_type: str = "dapo",
+        importance_sampling_level: str = "token",
+        scale_rewards: str = "group",
+        top_entropy_quantile: float = 1.0,
+        **kwargs: Any,
+    ) -> None:
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+        if importance_sampling_level not in LEVELS:
+            raise ValueError(
+                f"importance_sampling_level must be one of {LEVELS}, got {importance_sampling_level!r}"
+            )
+        if scale_rewards not in SCALE_REWARDS:
+            raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
+        if not 0.0 < top_entropy_quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}")
+        if epsilon <= 0 or (epsilon_high is not None and epsilon_high <= 0):
+            raise ValueError(f"epsilon and epsilon_high must be > 0, got {epsilon}, {epsilon_high}")
+        super().__init__(*args, **kwargs)
+
+    def compute_advantages(self, batch: RolloutBatch) -> torch.Tensor:
+        """(r - group mean) / (std + 1e-4), std of the group, the batch, or none (Dr. GRPO)."""
+        return group_advantages(batch.rewards, self.hparams.num_generations, self.hparams.scale_rewards)
+
+    def loss(
+        self, batch: RolloutBatch, index: torch.Tensor, step: torch.Tensor, logps: torch.Tensor,
+        entropy: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+        hp = self.hparams
+        mask = batch.completion_mask[index].to(logps.dtype)
+        if hp.top_entropy_quantile < 1.0 and entropy is not None and mask.any():
+            # Train only on the highest-entropy ("forking") tokens (Wang et al. 2025), as TRL.
+            threshold = torch.quantile(entropy[mask.bool()].detach(), 1.0 - hp.top_entropy_quantile)
+            mask = mask * (entropy.detach() >= threshold).to(mask.dtype)
+        loss, stats = policy_loss(
+            logps,
+            None if batch.old_logps is None else batch.old_logps[index],
+            batch.advantages[index],
+            mask,
+            ref_logps=None if batch.ref_logps is None else batch.ref_logps[index],
+            beta=hp.beta,
+            epsilon_low=hp.epsilon,
+            epsilon_high=hp.epsilon_high,
+            level=hp.importance_sampling_level,
+            loss_type=hp.loss_type,
+            is_weights=None if batch.is_weights is None else batch.is_weights[index],
+            max_completion_length=self.sampling.max_new_tokens,
+            # Normalisers of the whole optimizer step, so accumulation does not change the update.
+            num_items_in_batch=batch.completion_mask[step].sum().clamp(min=1),
+            num_sequences_in_batch=len(step),
+        )
+        if hp.loss_type == "bnpo":
+            loss = loss * len(index) / len(step)  # local by definition: average the micro-batches
+        if entropy is not None:
+            stats["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
+        return loss, stats

@@ -1,0 +1,307 @@
+"""The online-RL loop every online method shares: generate, score, advantages, optimise; top to bottom.
+
+One ``training_step`` is one generation: the prompt batch gets ``num_generations`` completions each
+from ``self.generator``, the rewards and advantages are computed once, and then
+``num_iterations`` × ``steps_per_generation`` optimizer steps run over those rollouts (manual
+optimisation; each step accumulates micro-batches of ``micro_batch_size`` completions and divides by
+normalisers of the whole step, so micro-batch 1 × 4 == micro-batch 4 × 1). The rollouts live only
+inside the step and sampling is seeded from (``seed``, ``global_step``), so a checkpoint taken
+between steps needs neither a buffer nor RNG state to continue the same run.
+
+For a vLLM callback: ``self.generator`` may be replaced by any ``Generator``; generation happens at the
+start of ``training_step`` (after ``on_train_batch_start``), and the weights changed since the last
+generation iff ``trainer.global_step`` moved (``on_policy_update`` runs after every optimizer step).
+A generator that is not the policy itself (``is_policy = False``; non-HF generators by default) gets
+TRL's importance-sampling correction from its per-token ``Rollouts.logprobs``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import lightning as L
+import torch
+from torchmetrics import MeanMetric
+
+from lightning_vlm.generation.base import Rollouts, SamplingSettings
+from lightning_vlm.generation.hf import HFGenerator
+from lightning_vlm.losses.importance import rollout_correction, split_trl_mode
+from lightning_vlm.methods.common import configure_optimizers
+from lightning_vlm.methods.rollout_buffer import RolloutBatch, index_chunks
+from lightning_vlm.models.reference import ReferenceModel
+from lightning_vlm.models.vlm import VLM
+from lightning_vlm.rewards.accuracy import answers_match
+from lightning_vlm.rewards.scoring import RewardScorer
+
+
+class OnlineRL(L.LightningModule):
+    """Base of GRPO, RLOO and Online DPO: subclasses give ``compute_advantages`` and ``loss``."""
+
+    def __init__(
+        self,
+        vlm: VLM,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+        reward_funcs: Sequence[Any] = ("accuracy_reward",),
+        reward_weights: Sequence[float] | None = None,
+        reward_model: Any | None = None,
+        num_generations: int = 8,
+        num_iterations: int = 1,
+        steps_per_generation: int = 1,
+        micro_batch_size: int | None = None,
+        max_completion_length: int = 16,
+        sampling: SamplingSettings | None = None,
+        beta: float = 0.0,
+        mask_truncated_completions: bool = False,
+        max_grad_norm: float | None = 1.0,
+        vllm_importance_sampling_correction: bool = True,
+        vllm_importance_sampling_mode: str = "sequence_mask",
+        vllm_importance_sampling_cap: float = 3.0,
+        val_num_generations: int = 4,
+        val_seed: int = 1234,
+        seed: int | None = 0,
+    ) -> None:
+        super().__init__()
+        # Only plain values in hparams: checkpoints then load with torch.load(weights_only=True).
+        self.save_hyperparameters(ignore=["vlm", "reward_model", "optimizer", "scheduler", "sampling",
+                                          "reward_funcs"])  # fmt: skip
+        self.automatic_optimization = False
+        # Kept as attributes too: hparams drop what cannot be pickled (a lambda optimizer factory).
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        sampling = sampling or SamplingSettings(max_new_tokens=max_completion_length)
+        if sampling.max_new_tokens != max_completion_length:
+            raise ValueError(
+                f"sampling.max_new_tokens={sampling.max_new_tokens} differs from max_completion_length="
+                f"{max_completion_length}; set max_completion_length only"
+            )
+        for name, value in (("num_generations", num_generations), ("num_iterations", num_iterations),
+                            ("steps_per_generation", steps_per_generation)):  # fmt: skip
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1 or null, got {micro_batch_size}")
+        if beta < 0:
+            raise ValueError(f"beta must be >= 0, got {beta}")
+        self.is_level, self.is_mode = split_trl_mode(vllm_importance_sampling_mode)
+        self.vlm = vlm
+        self.sampling = sampling
+        functions = list(reward_funcs) + ([reward_model] if reward_model is not None else [])
+        self.scorer = RewardScorer(functions, reward_weights)
+        self.hparams.update(sampling=asdict(sampling), reward_funcs=list(self.scorer.names),
+                            reward_weights=self.scorer.weights.tolist())  # fmt: skip
+        self.reward_model = reward_model
+        # Replaceable by a callback (vLLM); HF generate samples from the training weights themselves.
+        self.generator: Any = HFGenerator(vlm)
+        self.ref: ReferenceModel | None = ReferenceModel(vlm) if self.needs_reference else None
+        self.val_reward = MeanMetric()
+        self.val_answer_accuracy = MeanMetric()
+        self.val_rewards = torch.nn.ModuleDict({n: MeanMetric() for n in self.scorer.names})
+
+    # ---- what subclasses decide ----------------------------------------------------------------------
+    @property
+    def needs_reference(self) -> bool:
+        """Reference log-probs are computed only for a KL term (beta > 0)."""
+        return self.hparams.beta > 0
+
+    @property
+    def policy_moves(self) -> bool:
+        """Whether the policy can change between generation and a loss (then old log-probs are needed)."""
+        return self.hparams.num_iterations > 1 or self.hparams.steps_per_generation > 1
+
+    def compute_advantages(self, batch: RolloutBatch) -> torch.Tensor:
+        """Per-completion advantages [N] from ``batch.rewards`` (and old/ref log-probs if needed)."""
+        raise NotImplementedError
+
+    def loss(
+        self, batch: RolloutBatch, index: torch.Tensor, step: torch.Tensor, logps: torch.Tensor,
+        entropy: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+        """Loss of micro-batch ``index`` within optimizer step ``step``, normalised over the whole step."""
+        raise NotImplementedError
+
+    # ---- the loop ----------------------------------------------------------------------------------------
+    def training_step(self, rows: list[dict], batch_idx: int) -> None:
+        hp = self.hparams
+        # 1. Sample G completions per prompt with the current weights. The sampling RNG is seeded from
+        #    (seed, global_step), so a resumed run regenerates exactly what the uninterrupted run drew.
+        with self._seeded(None if hp.seed is None else hp.seed * 1_000_003 + self.trainer.global_step):
+            rollouts = self.generator.generate(rows, hp.num_generations, self.sampling)
+        # 2. Score them; None rewards stay NaN (out of group statistics, advantage 0).
+        per_function, _ = self.score(rollouts)
+        batch = RolloutBatch.build(
+            self.vlm, rollouts, per_function, self.scorer.total(per_function), hp.mask_truncated_completions
+        ).to(self.device)
+        n = len(batch)
+        if n % hp.steps_per_generation:
+            raise ValueError(
+                f"{n} completions (batch_size × num_generations) do not split into "
+                f"steps_per_generation={hp.steps_per_generation} equal optimizer steps"
+            )
+        # 3. Log-probs that must be frozen at generation time: old (the policy will move, or the
+        #    sampler was another engine) and reference (KL).
+        correct = hp.vllm_importance_sampling_correction and not self.sampler_is_policy(rollouts)
+        if correct and batch.sampler_logps is None:
+            raise ValueError("vllm_importance_sampling_correction needs the generator's per-token logprobs")
+        if self.policy_moves or correct:
+            batch.old_logps = self.frozen_logps(batch, reference=False)
+        if self.needs_reference:
+            batch.ref_logps = self.frozen_logps(batch, reference=True)
+        if correct:
+            batch.is_weights, is_metrics = rollout_correction(
+                batch.old_logps, batch.sampler_logps, batch.completion_mask, self.is_level, self.is_mode,
+                hp.vllm_importance_sampling_cap,
+            )  # fmt: skip
+            self.log_dict({f"train/{k}": v for k, v in is_metrics.items()}, batch_size=len(rows))
+        # 4. Advantages, once per generation.
+        batch.advantages = self.compute_advantages(batch)
+        self.log_rollouts(batch)
+        # 5. num_iterations passes over steps_per_generation optimizer steps.
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
+        for _ in range(hp.num_iterations):
+            for micro_batches in index_chunks(n, hp.steps_per_generation, hp.micro_batch_size):
+                step = torch.cat(micro_batches).to(self.device)
+                opt.zero_grad()
+                for index in micro_batches:
+                    index = index.to(self.device)
+                    inputs = batch.inputs(index, self.vlm.config)
+                    logps, entropy = self.vlm.token_logps(
+                        inputs, inputs["completion_mask"].bool(), self.sampling.temperature,
+                        return_entropy=True, mask_suppressed=True,
+                    )  # fmt: skip
+                    w = batch.prompt_width
+                    loss, stats = self.loss(batch, index, step, logps[:, w:], entropy[:, w:])
+                    self.manual_backward(loss)
+                    metrics["loss"].append(loss.detach())
+                    for k, v in stats.items():
+                        metrics[k].append(v * len(index) / len(step))
+                if hp.max_grad_norm:
+                    self.clip_gradients(
+                        opt, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm"
+                    )
+                opt.step()
+                if sched is not None:
+                    sched.step()
+                self.on_policy_update()
+        steps = hp.num_iterations * hp.steps_per_generation
+        # Loss terms add up over a step's micro-batches; the stats were weighted to a mean per step.
+        self.log_dict(
+            {f"train/{k}": torch.stack(v).sum() / steps for k, v in metrics.items()},
+            prog_bar=False, batch_size=len(rows),
+        )  # fmt: skip
+
+    def on_policy_update(self) -> None:
+        """Called after every optimizer step: the policy's weights changed (hook for weight syncing)."""
+
+    def sampler_is_policy(self, rollouts: Rollouts) -> bool:
+        """Whether completions were sampled from the training weights themselves (no IS correction)."""
+        flag = rollouts.extras.get("is_policy", getattr(self.generator, "is_policy", None))
+        return isinstance(self.generator, HFGenerator) if flag is None else bool(flag)
+
+    def score(self, rollouts: Rollouts) -> tuple[torch.Tensor, list[str]]:
+        """[N, F] rewards (NaN for None); each function gets the completions and every row column."""
+        rows = [rollouts.rows[i] for i in rollouts.prompt_index]
+        columns = {key: [row.get(key) for row in rows] for key in rows[0] if key not in ("prompt",)}
+        columns.update(prompts=[row["prompt"] for row in rows], completion_ids=rollouts.completion_ids)
+        return self.scorer(rollouts.completion_texts, columns)
+
+    @torch.no_grad()
+    def frozen_logps(self, batch: RolloutBatch, reference: bool) -> torch.Tensor:
+        """Per-token log-probs [N, T] of the completions under the current (or reference) weights."""
+        out = []
+        size = self.hparams.micro_batch_size or len(batch)
+        for start in range(0, len(batch), size):
+            index = torch.arange(start, min(start + size, len(batch)), device=self.device)
+            inputs = batch.inputs(index, self.vlm.config)
+            model = self.ref if reference else self.vlm
+            mask = inputs["completion_mask"].bool()
+            logps, _ = model.token_logps(inputs, mask, self.sampling.temperature, mask_suppressed=True)
+            out.append(logps[:, batch.prompt_width :])
+        return torch.cat(out)
+
+    # ---- metrics -------------------------------------------------------------------------------------------
+    def log_rollouts(self, batch: RolloutBatch) -> None:
+        """Per-generation metrics: rewards per function, advantages, completion lengths, truncation."""
+        n_prompts = len(batch.rollouts.rows)
+        lengths = batch.token_mask.sum(-1).float()
+        grouped = batch.rewards.view(-1, self.hparams.num_generations)
+        values = {
+            "reward": torch.nanmean(batch.rewards),
+            "reward_std": _nanstd(batch.rewards),
+            "frac_reward_zero_std": (grouped.nan_to_num(-1e9).std(-1) == 0).float().mean(),
+            "advantages/mean": batch.advantages.mean(),
+            "advantages/std": batch.advantages.std() if len(batch) > 1 else batch.advantages.new_zeros(()),
+            "advantages/abs_mean": batch.advantages.abs().mean(),
+            "completions/mean_length": lengths.mean(),
+            "completions/min_length": lengths.min(),
+            "completions/max_length": lengths.max(),
+            "completions/clipped_ratio": torch.tensor(batch.rollouts.truncated, dtype=torch.float).mean(),
+        }
+        for j, name in enumerate(self.scorer.names):
+            values[f"rewards/{name}/mean"] = torch.nanmean(batch.per_function[:, j])
+            values[f"rewards/{name}/std"] = _nanstd(batch.per_function[:, j])
+        self.log_dict({f"train/{k}": v for k, v in values.items()}, batch_size=n_prompts)
+        self.log("train/reward_step", values["reward"], prog_bar=True, batch_size=n_prompts, logger=False)
+
+    # ---- validation ----------------------------------------------------------------------------------------
+    def validation_step(self, rows: list[dict], batch_idx: int) -> None:
+        hp = self.hparams
+        # Fixed seeds per batch, in a forked RNG: the same rollouts before and after training, and the
+        # training RNG (hence resume) untouched by validation.
+        with self._seeded(hp.val_seed + batch_idx):
+            greedy = SamplingSettings(
+                max_new_tokens=self.sampling.max_new_tokens, temperature=0.0, do_sample=False
+            )
+            answers = self.generator.generate(rows, 1, greedy)
+            sampled = self.generator.generate(rows, hp.val_num_generations, self.sampling)
+        solutions = [r.get("solution") for r in rows]
+        hits = [float(answers_match(t, str(s))) for t, s in zip(answers.completion_texts, solutions, strict=True)
+                if s is not None]  # fmt: skip
+        if hits:
+            self.val_answer_accuracy.update(torch.tensor(hits, device=self.device))
+            self.log("val/answer_accuracy", self.val_answer_accuracy, prog_bar=True, batch_size=len(hits))
+        per_function, names = self.score(sampled)
+        total = self.scorer.total(per_function)
+        valid = ~total.isnan()
+        if valid.any():
+            self.val_reward.update(total[valid].to(self.device))
+            self.log("val/reward", self.val_reward, prog_bar=True, batch_size=int(valid.sum()))
+        for j, name in enumerate(names):
+            column = per_function[:, j]
+            if (~column.isnan()).any():
+                self.val_rewards[name].update(column[~column.isnan()].to(self.device))
+                self.log(f"val/rewards/{name}", self.val_rewards[name], batch_size=len(rows))
+
+    # ---- setup, checkpointing, optimizers --------------------------------------------------------------
+    def on_fit_start(self) -> None:
+        # Frozen helpers are not submodules (not trained, not checkpointed): move them by hand.
+        if self.ref is not None:
+            self.ref.to(self.device)
+        if self.reward_model is not None and hasattr(self.reward_model, "to"):
+            self.reward_model.to(self.device)
+
+    @contextlib.contextmanager
+    def _seeded(self, seed: int | None):
+        """Run with the torch RNG seeded to ``seed`` (then restored), or unchanged for ``None``."""
+        if seed is None:
+            yield
+            return
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            if hasattr(self.generator, "set_seed"):
+                self.generator.set_seed(seed)
+            yield
+
+    def configure_optimizers(self) -> Any:
+        return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory)
+
+
+def _nanstd(x: torch.Tensor) -> torch.Tensor:
+    """Unbiased std over non-NaN entries (0 with fewer than two)."""
+    valid = x[~x.isnan()]
+    return valid.std() if valid.numel() > 1 else x.new_zeros(())

@@ -1,0 +1,105 @@
+"""Online DPO (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback"), as TRL's.
+
+Each prompt gets two sampled completions; the reward functions (or a reward model) pick the chosen
+one, and the DPO loss (sigmoid or ipo) is applied against the reference model. The training forward
+always carries the prompt's pixel inputs (a bug TRL users hit under vLLM).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_vlm.losses.preference import ipo_loss, sigmoid_loss
+from lightning_vlm.methods.online import OnlineRL
+from lightning_vlm.methods.rollout_buffer import RolloutBatch
+
+DPO_LOSS_TYPES = ("sigmoid", "ipo")
+
+
+class OnlineDPO(OnlineRL):
+    """Two completions per prompt, the higher-scored is chosen; tied or unscored pairs are skipped."""
+
+    def __init__(
+        self,
+        *args: Any,
+        loss_type: str = "sigmoid",
+        missing_eos_penalty: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("num_generations", 2)
+        kwargs.setdefault("beta", 0.1)
+        if kwargs["num_generations"] != 2:
+            raise ValueError(
+                f"Online DPO compares two completions: num_generations must be 2, got {kwargs['num_generations']}"
+            )
+        if loss_type not in DPO_LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
+        if not kwargs["beta"] > 0:
+            raise ValueError(f"Online DPO needs beta > 0 (the loss scales by it), got {kwargs['beta']}")
+        micro = kwargs.get("micro_batch_size")
+        if micro is not None and micro % 2:
+            raise ValueError(f"micro_batch_size must be even so pairs stay together, got {micro}")
+        super().__init__(*args, **kwargs)
+
+    @property
+    def needs_reference(self) -> bool:
+        return True
+
+    def compute_advantages(self, batch: RolloutBatch) -> torch.Tensor:
+        """+1 for chosen, -1 for rejected, 0 for skipped pairs; the choice is kept in ``batch.extras``."""
+        rewards = batch.rewards.clone()
+        if self.hparams.missing_eos_penalty is not None:
+            truncated = torch.tensor(batch.rollouts.truncated, device=rewards.device)
+            rewards = rewards - self.hparams.missing_eos_penalty * truncated.to(rewards.dtype)
+        pairs = rewards.view(-1, 2)
+        # A tie (or a missing score) says nothing about which answer is better: no pair, no gradient.
+        valid = ~pairs.isnan().any(-1) & (pairs[:, 0] != pairs[:, 1])
+        first_chosen = pairs[:, 0] > pairs[:, 1]
+        batch.extras.update(pair_valid=valid, first_chosen=first_chosen)
+        sign = torch.stack([first_chosen, ~first_chosen], -1).to(rewards.dtype) * 2 - 1
+        self.log("train/valid_pair_frac", valid.float().mean(), batch_size=len(pairs))
+        return (sign * valid.unsqueeze(-1)).reshape(-1)
+
+    def loss(
+        self, batch: RolloutBatch, index: torch.Tensor, step: torch.Tensor, logps: torch.Tensor,
+        entropy: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+        if len(index) % 2 or len(step) % 2:
+            raise ValueError("Online DPO needs whole pairs per micro-batch and optimizer step (even sizes)")
+        mask = batch.completion_mask[index].to(logps.dtype)
+        policy = (logps * mask).sum(-1).view(-1, 2)
+        ref = (batch.ref_logps[index] * mask).sum(-1).view(-1, 2)
+        lengths = mask.sum(-1).view(-1, 2).clamp(min=1)
+        pair = index.view(-1, 2)[:, 0] // 2
+        valid = batch.extras["pair_valid"][pair]
+        first = batch.extras["first_chosen"][pair]
+        chosen, rejected = torch.where(first, 0, 1), torch.where(first, 1, 0)
+        rows = torch.arange(len(pair), device=logps.device)
+
+        def pick(x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+            return x[rows, which]
+
+        ratio_c = pick(policy, chosen) - pick(ref, chosen)
+        ratio_r = pick(policy, rejected) - pick(ref, rejected)
+        if self.hparams.loss_type == "sigmoid":
+            per_pair = sigmoid_loss(ratio_c - ratio_r, self.hparams.beta)
+        else:
+            # IPO regresses the length-averaged margin to 1/(2β).
+            margin = ratio_c / pick(lengths, chosen) - ratio_r / pick(lengths, rejected)
+            per_pair = ipo_loss(margin, self.hparams.beta)
+        step_pairs = batch.extras["pair_valid"][step.view(-1, 2)[:, 0] // 2].sum().clamp(min=1)
+        loss = (per_pair * valid).sum() / step_pairs
+        with torch.no_grad():
+            n = valid.sum().clamp(min=1)
+            margins = self.hparams.beta * (ratio_c - ratio_r)
+            stats = {
+                "rewards/margins": (margins * valid).sum() / n,
+                "rewards/accuracies": ((margins > 0) & valid).sum() / n,
+                "logps/chosen": (pick(policy, chosen) * valid).sum() / n,
+                "logps/rejected": (pick(policy, rejected) * valid).sum() / n,
+            }
+            if entropy is not None:
+                stats["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
+        return loss, stats

@@ -1,0 +1,73 @@
+"""RLOO (Ahmadian et al. 2024) as TRL's RLOOTrainer: leave-one-out baseline, KL in the reward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_vlm.losses.advantages import kl_penalized_rewards, rloo_advantages
+from lightning_vlm.losses.rloo import rloo_loss
+from lightning_vlm.methods.online import OnlineRL
+from lightning_vlm.methods.rollout_buffer import RolloutBatch
+
+
+class RLOO(OnlineRL):
+    """A_i = r_i - mean of the other G-1 rewards, r penalised by β·Σ_t(logp_old - logp_ref); sequence-level clip."""
+
+    def __init__(
+        self,
+        *args: Any,
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        normalize_advantages: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("num_generations", 2)
+        kwargs.setdefault("beta", 0.05)
+        if kwargs["num_generations"] < 2:
+            raise ValueError(f"RLOO needs num_generations >= 2, got {kwargs['num_generations']}")
+        super().__init__(*args, **kwargs)
+        if self.hparams.vllm_importance_sampling_correction and self.is_level != "sequence":
+            raise ValueError(
+                "RLOO's loss is per sequence: vllm_importance_sampling_mode must be sequence_truncate or "
+                f"sequence_mask, got {self.hparams.vllm_importance_sampling_mode!r}"
+            )
+
+    @property
+    def policy_moves(self) -> bool:
+        # The KL-in-reward reads the sampling policy's log-probs even when the update is on-policy.
+        return super().policy_moves or self.hparams.beta > 0
+
+    def compute_advantages(self, batch: RolloutBatch) -> torch.Tensor:
+        """Leave-one-out advantages of the KL-penalised rewards (optionally batch-normalised)."""
+        rewards = batch.rewards
+        if self.hparams.beta > 0:
+            rewards = kl_penalized_rewards(
+                rewards, batch.old_logps, batch.ref_logps, batch.completion_mask, self.hparams.beta
+            )
+            self.log("train/penalized_reward", torch.nanmean(rewards), batch_size=len(batch.rollouts.rows))
+        return rloo_advantages(rewards, self.hparams.num_generations, self.hparams.normalize_advantages)
+
+    def loss(
+        self, batch: RolloutBatch, index: torch.Tensor, step: torch.Tensor, logps: torch.Tensor,
+        entropy: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+        hp = self.hparams
+        mask = batch.completion_mask[index].to(logps.dtype)
+        # On-policy (one step per generation) the ratio is 1 in value: old = sg[logp] gives the same
+        # gradient as the frozen old log-probs without their float noise.
+        on_policy = not super().policy_moves
+        old = None if on_policy or batch.old_logps is None else batch.old_logps[index]
+        advantages = batch.advantages[index]
+        if batch.is_weights is not None:
+            # vLLM sampling: each sequence's term carries its (capped) rollout IS weight.
+            advantages = advantages * batch.is_weights[index].amax(-1)
+        loss, stats = rloo_loss(
+            logps, old, advantages, mask, hp.epsilon, hp.epsilon_high, num_sequences_in_batch=len(step)
+        )
+        if batch.ref_logps is not None:
+            stats["kl"] = ((batch.old_logps[index] - batch.ref_logps[index]) * mask).sum(-1).mean()
+        if entropy is not None:
+            stats["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
+        return loss, stats

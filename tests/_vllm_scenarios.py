@@ -1,0 +1,210 @@
+"""vLLM scenarios run in a subprocess (engines bind threads and keep global state): JSON report out.
+
+    python tests/_vllm_scenarios.py REPORT.json SCENARIO [SCENARIO...]
+
+Scenarios: ``colocate`` (parity, sampling, full and LoRA sync, two families), ``grpo_colocate`` (a few
+GRPO steps through ``generation=vllm_colocate``), ``adapter_sync`` (LoRA-only sync) and
+``transformers_impl`` (model_impl=transformers; last: it patches transformers classes in-process). Each scenario's failure is
+reported, not raised, so the other scenarios still run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+GREEDY_TOKENS = 8
+
+
+def _rows(n: int = 3) -> list[dict]:
+    from lightning_vlm.data.synthetic import synthetic_rows
+
+    return synthetic_rows("prompt", n)
+
+
+def _greedy():
+    from lightning_vlm.generation.base import SamplingSettings
+
+    return SamplingSettings(max_new_tokens=GREEDY_TOKENS, temperature=0.0, do_sample=False)
+
+
+def _train_step(vlm, lr: float = 0.05) -> None:
+    """One real AdamW step of SFT on the HF model (the weights the trainer owns)."""
+    from lightning_vlm.data.synthetic import synthetic_rows
+    from lightning_vlm.losses.sft import sft_loss
+
+    params = [p for p in vlm.model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr)
+    inputs = vlm.encode_sft(synthetic_rows("sft", 4, seed=1))
+    labels = inputs.pop("labels")
+    mask = labels != -100
+    logps, _ = vlm.token_logps(inputs, mask)
+    sft_loss(logps, mask).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _compare(vlm, generator) -> dict:
+    """Greedy ids (HF and vLLM) and the largest log-prob difference on them."""
+    from lightning_vlm.generation.hf import HFGenerator
+
+    hf = HFGenerator(vlm).generate(_rows(), 1, _greedy())
+    vl = generator.generate(_rows(), 1, _greedy())
+    diff = max(
+        (
+            abs(a - b)
+            for x, y in zip(hf.logprobs, vl.logprobs, strict=True)
+            for a, b in zip(x, y, strict=False)
+        ),
+        default=0.0,
+    )
+    return {"hf": hf.completion_ids, "vllm": vl.completion_ids, "hf_truncated": hf.truncated,
+            "vllm_truncated": vl.truncated, "logprob_max_diff": diff}  # fmt: skip
+
+
+def _sampled(vlm, generator) -> dict:
+    """Hot sampling: grouping, suppression, end-of-turn, and vLLM log-probs vs the trainer's."""
+    from lightning_vlm.generation.base import SamplingSettings
+
+    rows = _rows()
+    out = {}
+    hot = generator.generate(rows, 4, SamplingSettings(max_new_tokens=12, temperature=2.0))
+    out["hot"] = {"ids": hot.completion_ids, "truncated": hot.truncated, "num_generations": hot.num_generations,
+                  "logprob_lengths": [len(x) for x in hot.logprobs], "extras": hot.extras}  # fmt: skip
+    warm = generator.generate(rows, 2, SamplingSettings(max_new_tokens=6, temperature=1.0))
+    prompts = [rows[i] for i in warm.prompt_index]
+    inputs = vlm.encode_prompt_completion(prompts, warm.completion_ids)
+    mask = inputs.pop("completion_mask").bool()
+    with torch.no_grad():
+        trainer_logps, _ = vlm.token_logps(inputs, mask, 1.0, mask_suppressed=True)
+    width = mask.shape[1] - max(len(c) for c in warm.completion_ids)
+    diffs = [
+        abs(float(trainer_logps[i, width + t]) - lp)
+        for i, lps in enumerate(warm.logprobs)
+        for t, lp in enumerate(lps)
+    ]
+    out["sampled_logprob_max_diff"] = max(diffs)
+    return out
+
+
+def colocate(paths: dict) -> dict:
+    """Parity, sampling and weight sync through VLLMColocateGenerator, per family and mode."""
+    from lightning_vlm.generation.vllm_colocate import VLLMColocateGenerator
+    from lightning_vlm.models.vlm import VLM
+
+    report: dict = {}
+    for family, lora in (("qwen2_5_vl", None), ("gemma3", {"r": 8, "lora_alpha": 16})):
+        start = time.perf_counter()
+        vlm = VLM(paths[family], lora=lora, freeze_vision_tower=False)
+        gen = VLLMColocateGenerator(vlm)
+        r: dict = {"engine_seconds": time.perf_counter() - start, "before": _compare(vlm, gen)}
+        if family == "qwen2_5_vl":
+            r.update(_sampled(vlm, gen))
+            r["suppressed"] = vlm.suppressed_token_ids
+            r["end_of_turn_id"] = vlm.end_of_turn_id
+        _train_step(vlm, lr=0.05 if lora is None else 0.02)
+        r["sync_seconds"] = gen.sync_weights()
+        r["after"] = _compare(vlm, gen)
+        if family == "qwen2_5_vl":
+            # LoRA on the same engine: adapters get a real step, then the merged weights are pushed.
+            lora_vlm = VLM(paths[family], lora={"r": 8, "lora_alpha": 16}, freeze_vision_tower=False)
+            gen.vlm = lora_vlm
+            gen.sync_weights()
+            r["lora_before"] = _compare(lora_vlm, gen)
+            base = {k: v.clone() for k, v in lora_vlm.model.state_dict().items() if "lora_" not in k}
+            _train_step(lora_vlm, lr=0.02)
+            gen.sync_weights()
+            r["lora_after"] = _compare(lora_vlm, gen)
+            # The sync merged beside the model: the trainer's base weights are untouched.
+            state = lora_vlm.model.state_dict()
+            r["lora_base_untouched"] = all(torch.equal(v, state[k]) for k, v in base.items())
+        r["is_lora"] = vlm.is_lora
+        gen.close()
+        report[family] = r
+    return report
+
+
+def adapter_sync(paths: dict) -> dict:
+    """weight_sync="adapter": only the LoRA adapter goes to vLLM, which applies it."""
+    from lightning_vlm.generation.vllm_colocate import VLLMColocateGenerator
+    from lightning_vlm.models.vlm import VLM
+
+    lora = {"r": 8, "lora_alpha": 16, "init_lora_weights": False}  # random adapters: policy != base
+    vlm = VLM(paths["qwen2_5_vl"], lora=lora, freeze_vision_tower=False)
+    gen = VLLMColocateGenerator(vlm, weight_sync="adapter")
+    report = {"sync_seconds": [gen.sync_weights()], "before": _compare(vlm, gen)}
+    _train_step(vlm, lr=0.02)
+    report["sync_seconds"].append(gen.sync_weights())
+    report["after"] = _compare(vlm, gen)
+    report["adapters_loaded"] = sorted(gen.llm.llm_engine.list_loras())
+    gen.close()
+    return report
+
+
+def transformers_impl(paths: dict) -> dict:
+    """model_impl=transformers. Run last: vLLM patches the transformers class process-wide."""
+    from lightning_vlm.generation.vllm_colocate import VLLMColocateGenerator
+    from lightning_vlm.models.vlm import VLM
+
+    start = time.perf_counter()
+    vlm = VLM(paths["qwen2_5_vl"])
+    gen = VLLMColocateGenerator(vlm, model_impl="transformers")
+    report = {"engine_seconds": time.perf_counter() - start, **_compare(vlm, gen)}
+    # The trainer's HF model (built before the engine patched its class) still trains, and syncs.
+    _train_step(vlm)
+    gen.sync_weights()
+    report["after"] = _compare(vlm, gen)
+    gen.close()
+    return report
+
+
+def grpo_colocate(paths: dict, out_dir: str) -> dict:
+    """A few GRPO steps with the colocated engine through the Hydra config."""
+    from helpers import compose_train
+    from lightning_vlm.training import train
+
+    overrides = [
+        "method=grpo", "generation=vllm_colocate", "logger=none", "callbacks=none",
+        f"model.model_name_or_path={paths['qwen2_5_vl']}", "trainer.max_steps=3", "trainer.limit_val_batches=0",
+        "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1", "data.batch_size=2",
+        "method.num_generations=4", "method.steps_per_generation=2",
+    ]  # fmt: skip
+    cfg = compose_train(overrides, Path(out_dir))
+    start = time.perf_counter()
+    metrics, objects = train(cfg)
+    callback = next(c for c in objects["trainer"].callbacks if type(c).__name__ == "VLLMGeneration")
+    return {
+        "seconds": time.perf_counter() - start,
+        "metrics": metrics,
+        "global_step": objects["trainer"].global_step,
+        "num_syncs": len(callback.sync_seconds),
+        "generator_restored": type(objects["module"].generator).__name__,
+        "engine_closed": callback.generator is None,
+    }
+
+
+if __name__ == "__main__":
+    report_path, scenarios = sys.argv[1], sys.argv[2:]
+    torch.set_num_threads(2)
+    from lightning_vlm.models.tiny import tiny_vlm_path
+
+    family_paths = {f: str(tiny_vlm_path(f)) for f in ("qwen2_5_vl", "gemma3")}
+    report = {}
+    for name in scenarios:
+        start = time.perf_counter()
+        try:
+            if name == "grpo_colocate":
+                report[name] = grpo_colocate(family_paths, str(Path(report_path).parent / "grpo"))
+            else:
+                report[name] = globals()[name](family_paths)
+        except Exception as exc:  # one scenario's failure must not hide the others'
+            report[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        report[name]["scenario_seconds"] = time.perf_counter() - start
+        Path(report_path).write_text(json.dumps(report, default=str))

@@ -1,0 +1,171 @@
+"""The DPO module: settings errors, a few real steps (DPO, MPO, train.py), precomputed references, LoRA."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from functools import partial
+
+import pytest
+import torch
+
+from helpers import ROOT, compose_train
+from lightning_vlm.data.synthetic import synthetic_rows
+from lightning_vlm.methods.dpo import DPO
+from lightning_vlm.methods.preference_batch import encode_pairs, split_pairs
+from lightning_vlm.methods.reference_cache import ReferenceLogpCache, model_key, row_key, weights_fingerprint
+from lightning_vlm.models.reference import ReferenceModel
+from lightning_vlm.models.vlm import VLM
+from lightning_vlm.training import train
+
+SHORT = [
+    "logger=none",
+    "callbacks=none",
+    "trainer.max_steps=3",
+    "trainer.val_check_interval=3",
+    "trainer.enable_progress_bar=false",
+    "data.batch_size=4",
+    "data.val_batch_size=4",
+    "data.synthetic.num_train=16",
+    "data.synthetic.num_val=4",
+]
+LOGGED = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+@pytest.fixture(scope="module")
+def vlm(tiny_path):
+    torch.manual_seed(0)
+    return VLM(tiny_path("qwen2_5_vl"), freeze_vision_tower=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"loss_type": "sigmoid"}, "loss_type must be a list"),
+        ({"loss_type": ["sigmoid", "dpo"]}, "unknown preference loss type"),
+        ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]}, "loss_weights has 1 entries"),
+        ({"beta": 0.0}, "beta must be > 0"),
+        ({"label_smoothing": 0.5}, "label_smoothing must be in"),
+    ],
+)
+def test_bad_settings_fail_at_construction_naming_the_setting(vlm, kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        DPO(vlm, optimizer=partial(torch.optim.AdamW, lr=1e-3), **kwargs)
+
+
+@pytest.mark.parametrize("method", ["dpo", "mpo"])
+def test_method_runs_and_logs_every_metric(method, tmp_path):
+    metrics, out = train(compose_train([f"method={method}", *SHORT], tmp_path))
+    components = ["sigmoid"] if method == "dpo" else ["sigmoid", "bco_pair", "sft"]
+    for prefix in ("train", "val"):
+        for name in (*LOGGED, *(f"loss/{c}" for c in components)):
+            assert f"{prefix}/{name}" in metrics, (prefix, name, sorted(metrics))
+    assert "val/answer_accuracy" in metrics
+    module = out["module"]
+    assert module.hparams.loss_type == components
+    if method == "mpo":
+        assert module.hparams.loss_weights == [0.8, 0.2, 1.0]
+        assert int(module.bco_delta.count) == 3 * 2 * 4, "δ saw both rewards of every training pair"
+
+
+def test_train_py_method_mpo_runs_offline(tmp_path):
+    env = {**os.environ, "PROJECT_ROOT": str(tmp_path), "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "method=mpo", *SHORT],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_real_model_mpo_composes(tmp_path):
+    cfg = compose_train(["model=qwen2_5_vl", "method=mpo"], tmp_path)
+    assert cfg.model.model_name_or_path == "Qwen/Qwen2.5-VL-3B-Instruct"
+    assert list(cfg.method.loss_type) == ["sigmoid", "bco_pair", "sft"]
+    assert cfg.monitor == "val/rewards/accuracies"
+
+
+def test_precomputed_reference_is_reused_and_releases_the_copy(tmp_path):
+    overrides = [
+        *SHORT,
+        "method=dpo",
+        "method.precompute_ref_logps=true",
+        f"method.ref_cache_dir={tmp_path / 'c'}",
+    ]
+    _, out = train(compose_train(overrides, tmp_path))
+    module = out["module"]
+    assert module.ref is None, "the frozen copy is released once every row is stored"
+    cache = module.ref_cache
+    assert len(cache) == 16 + 4 and list((tmp_path / "c").glob("ref-logps-*.pt"))
+    # The stored values are the reference's: recompute a few rows with a fresh frozen copy of the start.
+    fresh = VLM(out["cfg"].model.model_name_or_path, **{"freeze_vision_tower": False})
+    rows = [out["datamodule"].train_dataset[i] for i in range(3)]
+    batch = encode_pairs(fresh, rows)
+    with torch.no_grad():
+        logps, _ = ReferenceModel(fresh).token_logps(batch.inputs, batch.completion_mask)
+    chosen, rejected = split_pairs(logps.sum(dim=1))
+    stored = cache.get(rows)
+    torch.testing.assert_close(stored[0].float(), chosen, atol=1e-4, rtol=0)
+    torch.testing.assert_close(stored[1].float(), rejected, atol=1e-4, rtol=0)
+
+
+def test_changed_row_or_model_does_not_reuse_stale_values(vlm, tmp_path):
+    rows = synthetic_rows("preference", 2, seed=3)
+    key = model_key("m", weights_fingerprint(vlm.model), max_length=None)
+    cache = ReferenceLogpCache(tmp_path, key)
+    cache.put(rows, torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -4.0]))
+    cache.save()
+    assert ReferenceLogpCache(tmp_path, key).missing(rows) == []
+    # One pixel of one image changes: that row misses, the other still hits.
+    changed = [dict(rows[0]), rows[1]]
+    image = rows[0]["images"][0].copy()
+    image.putpixel((0, 0), (1, 2, 3))
+    changed[0]["images"] = [image]
+    assert row_key(changed[0]) != row_key(rows[0])
+    assert ReferenceLogpCache(tmp_path, key).missing(changed) == [0]
+    # So does a changed answer.
+    other = {**rows[1], "rejected": [{"role": "assistant", "content": [{"type": "text", "text": "blue"}]}]}
+    assert ReferenceLogpCache(tmp_path, key).missing([other]) == [0]
+    # One changed weight gives another model key: nothing of the old file is read.
+    with torch.no_grad():
+        p = next(vlm.model.parameters())
+        p[0].add_(1e-3)
+        new_key = model_key("m", weights_fingerprint(vlm.model), max_length=None)
+        p[0].sub_(1e-3)
+    assert new_key != key
+    assert ReferenceLogpCache(tmp_path, new_key).missing(rows) == [0, 1]
+    assert model_key("m", weights_fingerprint(vlm.model), max_length=64) != key
+    with pytest.raises(KeyError, match="row 0 of the batch has no precomputed"):
+        ReferenceLogpCache(tmp_path, new_key).get(rows)
+
+
+def test_lora_trains_adapters_only_and_its_reference_is_the_base(tmp_path):
+    _, out = train(compose_train(["method=dpo", "lora=default", *SHORT], tmp_path))
+    module = out["module"]
+    vlm = module.vlm
+    assert module.ref.shares_weights and module.ref.copy is None
+    base = VLM(out["cfg"].model.model_name_or_path)
+    base_params = dict(base.model.named_parameters())
+    adapters_moved = 0
+    for name, p in vlm.model.named_parameters():
+        if "lora_B" in name:
+            adapters_moved += int(p.detach().abs().max() > 0)  # lora_B starts at zero
+        elif "lora_" not in name:
+            hf_name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            torch.testing.assert_close(p.detach(), base_params[hf_name].detach(), atol=0, rtol=0)
+    assert adapters_moved > 0
+    rows = synthetic_rows("preference", 3, seed=7)
+    batch = encode_pairs(vlm, rows)
+    ref_logps, _ = module.ref.token_logps(batch.inputs, batch.completion_mask)
+    with torch.no_grad():
+        base_logps, _ = base.token_logps(batch.inputs, batch.completion_mask)
+        policy_logps, _ = vlm.token_logps(batch.inputs, batch.completion_mask)
+    torch.testing.assert_close(ref_logps, base_logps, atol=1e-5, rtol=0)
+    assert (policy_logps - base_logps).abs().max() > 1e-4

@@ -1,0 +1,164 @@
+"""The online-RL loop on the tiny model: accumulation invariance, None rewards, errors, IS correction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from online_helpers import FixedGenerator, fit_steps, sample_rollouts, sgd, token_reward_fn
+
+from lightning_vlm.data.synthetic import synthetic_rows
+from lightning_vlm.losses.advantages import group_advantages
+from lightning_vlm.methods.grpo import GRPO
+from lightning_vlm.methods.online_dpo import OnlineDPO
+from lightning_vlm.methods.rloo import RLOO
+from lightning_vlm.models.vlm import VLM
+from lightning_vlm.rewards.scoring import RewardFunctionError
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return synthetic_rows("prompt", 2, seed=3)
+
+
+def _updated_params(tiny_path, cls, rows, rollouts, **kwargs) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    vlm = VLM(tiny_path("qwen2_5_vl"))
+    before = {n: p.detach().clone() for n, p in vlm.named_parameters()}
+    kwargs.setdefault("reward_funcs", [token_reward_fn])
+    module = cls(vlm, optimizer=sgd(), max_grad_norm=None, num_generations=rollouts.num_generations,
+                 max_completion_length=6, **kwargs)  # fmt: skip
+    module.generator = FixedGenerator(rollouts)
+    fit_steps(module, rows)
+    return {n: p.detach() - before[n] for n, p in vlm.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (GRPO, {"loss_type": "dapo"}),
+        (GRPO, {"loss_type": "grpo", "beta": 0.1}),
+        (GRPO, {"loss_type": "dr_grpo", "importance_sampling_level": "sequence"}),
+        (RLOO, {"beta": 0.05}),
+        (
+            OnlineDPO,
+            {
+                "reward_funcs": [
+                    lambda completions, completion_ids, **kw: [float(sum(c) % 3) for c in completion_ids]
+                ]
+            },
+        ),
+    ],
+)
+def test_micro_batch_1_x_4_equals_4_x_1(tiny_path, rows, cls, kwargs):
+    vlm = VLM(tiny_path("qwen2_5_vl"))
+    generations = 2
+    rollouts = sample_rollouts(vlm, rows, generations)
+    small = 2 if cls is OnlineDPO else 1  # Online DPO keeps pairs together
+    one = _updated_params(tiny_path, cls, rows, rollouts, micro_batch_size=small, **kwargs)
+    four = _updated_params(tiny_path, cls, rows, rollouts, micro_batch_size=4, **kwargs)
+    moved = max(d.abs().max().item() for d in four.values())
+    assert moved > 1e-4, "the step must change the weights for the comparison to mean anything"
+    for name in four:
+        torch.testing.assert_close(one[name], four[name], atol=2e-6, rtol=1e-4, msg=name)
+
+
+def test_none_rewards_get_zero_advantage_and_leave_the_group_statistics(tiny_path, rows):
+    vlm = VLM(tiny_path("qwen2_5_vl"))
+    rollouts = sample_rollouts(vlm, rows, 4)
+    seen = {}
+
+    def some_none(completions, completion_ids, **kwargs):
+        return [None if i % 4 == 0 else float(sum(ids) % 5 + i) for i, ids in enumerate(completion_ids)]
+
+    module = GRPO(
+        vlm, optimizer=sgd(1e-3), reward_funcs=[some_none], num_generations=4, max_completion_length=6
+    )
+    module.generator = FixedGenerator(rollouts)
+    original = module.compute_advantages
+
+    def spy(batch):
+        seen["rewards"], seen["advantages"] = batch.rewards.clone(), original(batch).clone()
+        return seen["advantages"]
+
+    module.compute_advantages = spy
+    fit_steps(module, rows)
+    rewards, adv = seen["rewards"], seen["advantages"]
+    assert rewards[::4].isnan().all() and (adv[::4] == 0).all()
+    for g in range(2):
+        valid = rewards[g * 4 + 1 : g * 4 + 4]
+        expected = group_advantages(valid, 3)
+        torch.testing.assert_close(adv[g * 4 + 1 : g * 4 + 4], expected)
+
+
+def test_a_failing_reward_function_is_named(tiny_path, rows):
+    vlm = VLM(tiny_path("qwen2_5_vl"))
+
+    def broken_reward(completions, **kwargs):
+        raise KeyError("no_such_column")
+
+    module = GRPO(
+        vlm, optimizer=sgd(), reward_funcs=[broken_reward], num_generations=2, max_completion_length=4
+    )
+    with pytest.raises(RewardFunctionError, match="broken_reward"):
+        fit_steps(module, rows)
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "setting"),
+    [
+        (GRPO, {"loss_type": "mean"}, "loss_type"),
+        (GRPO, {"importance_sampling_level": "batch"}, "importance_sampling_level"),
+        (GRPO, {"scale_rewards": "std"}, "scale_rewards"),
+        (GRPO, {"num_generations": 0}, "num_generations"),
+        (GRPO, {"vllm_importance_sampling_mode": "seq"}, "importance sampling mode"),
+        (GRPO, {"max_completion_length": 8, "sampling": None}, None),
+        (RLOO, {"num_generations": 1}, "num_generations"),
+        (OnlineDPO, {"num_generations": 4}, "num_generations"),
+        (OnlineDPO, {"loss_type": "hinge"}, "loss_type"),
+        (OnlineDPO, {"micro_batch_size": 3}, "micro_batch_size"),
+    ],
+)
+def test_bad_settings_name_the_setting(tiny_path, cls, kwargs, setting):
+    vlm = VLM(tiny_path("qwen2_5_vl"))
+    if setting is None:  # a valid combination: no error
+        cls(vlm, optimizer=sgd(), **kwargs)
+        return
+    with pytest.raises(ValueError, match=setting):
+        cls(vlm, optimizer=sgd(), **kwargs)
+
+
+def test_steps_per_generation_must_split_the_batch(tiny_path, rows):
+    vlm = VLM(tiny_path("qwen2_5_vl"))
+    module = GRPO(vlm, optimizer=sgd(), num_generations=3, steps_per_generation=4, max_completion_length=4)
+    with pytest.raises(ValueError, match="steps_per_generation"):
+        fit_steps(module, rows)
+
+
+def test_steps_per_generation_and_iterations_step_the_optimizer_and_report_updates(tiny_path, rows):
+    vlm = VLM(tiny_path("qwen2_5_vl"))
+    module = GRPO(vlm, optimizer=sgd(1e-3), reward_funcs=[token_reward_fn], num_generations=4,
+                  steps_per_generation=2, num_iterations=2, max_completion_length=4)  # fmt: skip
+    updates = []
+    module.on_policy_update = lambda: updates.append(module.trainer.global_step)
+    generator = FixedGenerator(sample_rollouts(vlm, rows, 4, max_new_tokens=4))
+    module.generator = generator
+    trainer = fit_steps(module, rows, steps=8)
+    assert generator.calls == 2 and trainer.global_step == 8 and updates == list(range(1, 9))
+    # old log-probs were needed (the policy moved inside a generation): the ratio left 1
+    assert trainer.callback_metrics["train/ratio/max"] > 1.0
+
+
+def test_sampler_logprobs_drive_the_importance_correction_when_the_sampler_is_not_the_policy(tiny_path, rows):
+    vlm = VLM(tiny_path("qwen2_5_vl"))
+    rollouts = sample_rollouts(vlm, rows, 2, max_new_tokens=4)
+    # A sampler that believed every token 0.5 nats less likely than the trainer does.
+    rollouts.logprobs = [[lp - 0.5 for lp in seq] for seq in rollouts.logprobs]
+    module = GRPO(vlm, optimizer=sgd(1e-3), reward_funcs=[token_reward_fn], num_generations=2,
+                  max_completion_length=4, vllm_importance_sampling_mode="token_truncate")  # fmt: skip
+    module.generator = FixedGenerator(rollouts, is_policy=False)
+    trainer = fit_steps(module, rows)
+    assert trainer.callback_metrics["train/is_ratio/mean"].item() == pytest.approx(3.0**0 * 1.6487, rel=1e-3)
+    # The HF generator samples from the policy itself: no correction, no metric.
+    module = GRPO(vlm, optimizer=sgd(1e-3), num_generations=2, max_completion_length=4)
+    trainer = fit_steps(module, rows)
+    assert "train/is_ratio/mean" not in trainer.callback_metrics

@@ -1,0 +1,155 @@
+"""The vLLM path's pure parts, without an engine: sampling parameters, rollout assembly, weight export
+(LoRA merged beside the model, vLLM names), configs, and clear errors for bad settings."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_vlm.generation.base import SamplingSettings
+from lightning_vlm.generation.vllm_sampling import SUPPRESS_BIAS, build_rollouts, sampling_kwargs
+from lightning_vlm.generation.weight_sync import policy_weights, read_weights, write_weights
+
+
+class _Tok:
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return [" ".join(map(str, x)) for x in ids]
+
+
+def test_sampling_kwargs_match_hf_behaviour():
+    hot = sampling_kwargs(SamplingSettings(max_new_tokens=5, temperature=0.7, top_k=None), 4, 9, [2, 3])
+    assert hot["n"] == 4 and hot["max_tokens"] == 5 and hot["temperature"] == 0.7 and hot["top_k"] == 0
+    # Stop at end-of-turn only (not the checkpoint's eos), suppress vision tokens, return chosen logps.
+    assert hot["ignore_eos"] and hot["stop_token_ids"] == [9] and hot["logprobs"] == 0
+    assert hot["logit_bias"] == {2: SUPPRESS_BIAS, 3: SUPPRESS_BIAS}
+    greedy = sampling_kwargs(SamplingSettings(do_sample=False, temperature=0.7), 1, 9, [])
+    assert greedy["temperature"] == 0.0 and greedy["logit_bias"] is None
+    with pytest.raises(ValueError, match="num_generations"):
+        sampling_kwargs(SamplingSettings(), 0, 9, [])
+
+
+def test_build_rollouts_cuts_at_end_of_turn_and_flags_off_policy():
+    rows = [{"prompt": []}, {"prompt": []}]
+    ids = [[5, 9, 7], [5, 6, 7], [9], [4, 4]]
+    logps = [[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0], [-0.5], [-0.1, -0.2]]
+    r = build_rollouts(rows, 2, ids, logps, 9, _Tok(), "test")
+    assert r.completion_ids == [[5, 9], [5, 6, 7], [9], [4, 4]]
+    assert r.truncated == [False, True, False, True]
+    assert r.logprobs[0] == [-1.0, -2.0] and r.prompt_index == [0, 0, 1, 1]
+    assert r.extras["is_policy"] is False
+    with pytest.raises(RuntimeError, match="returned 3 completions, expected 4"):
+        build_rollouts(rows, 2, ids[:3], logps[:3], 9, _Tok(), "test")
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+def test_lora_weights_are_merged_beside_the_model_under_checkpoint_names(tiny_path, family):
+    from safetensors import safe_open
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from lightning_vlm.models.vlm import VLM
+    from lightning_vlm.models.weight_names import hf_to_vllm_names
+
+    def as_saved(model):
+        return dict(hf_to_vllm_names(family, revert_weight_conversion(model, model.state_dict()).items()))
+
+    vlm = VLM(tiny_path(family), lora={"r": 4, "lora_alpha": 8, "init_lora_weights": False},
+              freeze_vision_tower=False)  # fmt: skip
+    before = {k: v.clone() for k, v in vlm.model.state_dict().items()}
+    exported = dict(policy_weights(vlm))
+    # The names of the saved checkpoint (what every vLLM model implementation loads).
+    with safe_open(f"{tiny_path(family)}/model.safetensors", "pt") as f:
+        assert set(f.keys()) <= set(exported)
+    expected = as_saved(copy.deepcopy(vlm.model).merge_and_unload())
+    base = as_saved(copy.deepcopy(vlm.model).unload())
+    assert exported.keys() == expected.keys()
+    changed = 0
+    for name, tensor in expected.items():
+        torch.testing.assert_close(exported[name], tensor)
+        changed += not torch.equal(tensor, base[name])
+    assert changed, "random adapters must change some merged weights"
+    after = vlm.model.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in before.items()), "the training weights must be untouched"
+
+
+def test_write_and_read_weights_with_tied_tensors(tmp_path):
+    w = torch.randn(4, 3)
+    path = write_weights([("a.weight", w), ("b.weight", w), ("c", torch.ones(2))], tmp_path)
+    assert path.name == "model.safetensors" and not list(tmp_path.glob(".tmp-*"))
+    back = dict(read_weights(tmp_path))
+    assert torch.equal(back["a.weight"], w) and torch.equal(back["b.weight"], w)
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        list(read_weights(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"mode": "remote"}, "mode must be one of"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+        ({"model_impl": "jax"}, "model_impl must be one of"),
+        ({"weight_transfer": "nfs"}, "weight_transfer must be one of"),
+    ],
+)
+def test_callback_refuses_bad_settings_by_name(kwargs, message):
+    from lightning_vlm.callbacks.vllm import VLLMGeneration
+
+    with pytest.raises(ValueError, match=message):
+        VLLMGeneration(**kwargs)
+
+
+def test_callback_needs_a_module_with_a_generator():
+    from lightning_vlm.callbacks.vllm import VLLMGeneration
+
+    with pytest.raises(TypeError, match="replaceable `generator`"):
+        VLLMGeneration().setup(L.Trainer(logger=False), L.LightningModule(), "fit")
+
+
+@pytest.mark.parametrize("generation", ["hf", "vllm_colocate", "vllm_server"])
+def test_generation_configs_compose_and_instantiate(generation, tmp_path):
+    from helpers import compose_train
+    from lightning_vlm.training import instantiate_group
+
+    cfg = compose_train(["method=grpo", f"generation={generation}", "callbacks=none"], tmp_path)
+    callbacks = instantiate_group(cfg.get("callbacks"))
+    names = [type(c).__name__ for c in callbacks]
+    assert names == ([] if generation == "hf" else ["VLLMGeneration"])
+    if callbacks:
+        assert callbacks[0].mode == generation.removeprefix("vllm_")
+        assert callbacks[0].generator is None  # nothing is built before setup
+
+
+def test_server_arguments_and_images_are_checked():
+    import base64
+    import io
+
+    from PIL import Image
+
+    from lightning_vlm.serve import BadRequest, decode_image, parse_args
+
+    args = parse_args(["MODEL"])
+    assert args.host == "127.0.0.1" and args.port == 8000
+    with pytest.raises(SystemExit):
+        parse_args(["MODEL", "--port", "70000"])
+    buffer = io.BytesIO()
+    Image.new("RGB", (400, 100)).save(buffer, format="PNG")
+    image = decode_image(base64.b64encode(buffer.getvalue()).decode(), max_pixels=10_000)
+    assert image.width * image.height <= 10_000 and abs(image.width / image.height - 4) < 0.2
+    with pytest.raises(BadRequest, match="could not decode an image"):
+        decode_image("not base64!", 10)
+
+
+def test_adapter_sync_needs_lora_with_everything_else_frozen(tiny_path):
+    from lightning_vlm.generation.vllm_colocate import adapter_engine_options
+    from lightning_vlm.models.vlm import VLM
+
+    with pytest.raises(ValueError, match="needs a LoRA policy"):
+        adapter_engine_options(VLM(tiny_path("qwen2_5_vl")))
+    vlm = VLM(tiny_path("qwen2_5_vl"), lora={"r": 12}, freeze_vision_tower=False)
+    assert adapter_engine_options(vlm) == {"enable_lora": True, "max_lora_rank": 16, "max_loras": 1}
+    next(p for n, p in vlm.model.named_parameters() if "lm_head" in n).requires_grad_(True)
+    with pytest.raises(ValueError, match="lm_head.*train too"):
+        adapter_engine_options(vlm)
