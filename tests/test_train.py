@@ -40,7 +40,9 @@ def test_train_py_default_config_runs_a_few_steps(tmp_path):
 
 @pytest.mark.slow
 def test_train_py_multirun_sweeps_across_methods_and_values(tmp_path):
-    proc = _run(["-m", "debug=fdr", "method=sft", "method.optimizer.lr=1e-3,3e-3"], tmp_path)
+    proc = _run(["-m", "debug=fdr", "method=sft,dpo,grpo", "method.optimizer.lr=1e-3,3e-3"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     jobs = sorted((tmp_path / "logs").glob("*/multiruns/*/[0-9]*"))
-    assert len(jobs) == 2
+    assert len(jobs) == 6
+    overrides = "".join((job / ".hydra" / "overrides.yaml").read_text() for job in jobs)
+    assert all(f"method={m}" in overrides for m in ("sft", "dpo", "grpo"))
