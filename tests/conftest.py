@@ -42,7 +42,7 @@ def sft_warm_start(tmp_path_factory):
 
     built: dict[int, str] = {}
 
-    def get(steps: int = 80, lr: float = 3e-3) -> str:
+    def get(steps: int = 80, lr: float = 1e-3) -> str:
         if steps in built:
             return built[steps]
         key = f"sft-warm-{recipe_hash('qwen2_5_vl', 0)}-s{steps}-lr{lr:g}-v1"

@@ -50,7 +50,7 @@ def _run(method: str, warm: str, tmp_path, extra: list[str]) -> tuple[dict, dict
 def test_preference_accuracy_rises_to_090_and_answers_do_not_get_worse(
     method, extra, sft_warm_start, tmp_path
 ):
-    before, after = _run(method, sft_warm_start(80), tmp_path, extra)
+    before, after = _run(method, sft_warm_start(), tmp_path, extra)
     assert before["val/rewards/accuracies"] == pytest.approx(0.5, abs=0.05), before
     assert after["val/rewards/accuracies"] >= 0.9, (before, after)
     # 128 held-out rows: one answer is 0.8%; allow a few to flip.
