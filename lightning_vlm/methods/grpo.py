@@ -73,6 +73,4 @@ class GRPO(OnlineRL):
         )
         if hp.loss_type == "bnpo":
             loss = loss * len(index) / len(step)  # local by definition: average the micro-batches
-        if entropy is not None:
-            stats["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
         return loss, stats

@@ -175,6 +175,9 @@ class OnlineRL(L.LightningModule):
                     )  # fmt: skip
                     w = batch.prompt_width
                     loss, stats = self.loss(batch, index, step, logps[:, w:], entropy[:, w:])
+                    # Mean entropy of the completion tokens: the same for every method, so logged here.
+                    mask = batch.completion_mask[index].to(entropy.dtype)
+                    stats["entropy"] = (entropy[:, w:] * mask).sum() / mask.sum().clamp(min=1)
                     self.manual_backward(loss)
                     metrics["loss"].append(loss.detach())
                     for k, v in stats.items():

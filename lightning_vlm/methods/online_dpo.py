@@ -100,6 +100,4 @@ class OnlineDPO(OnlineRL):
                 "logps/chosen": (pick(policy, chosen) * valid).sum() / n,
                 "logps/rejected": (pick(policy, rejected) * valid).sum() / n,
             }
-            if entropy is not None:
-                stats["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
         return loss, stats

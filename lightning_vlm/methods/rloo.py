@@ -68,6 +68,4 @@ class RLOO(OnlineRL):
         )
         if batch.ref_logps is not None:
             stats["kl"] = ((batch.old_logps[index] - batch.ref_logps[index]) * mask).sum(-1).mean()
-        if entropy is not None:
-            stats["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
         return loss, stats
