@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
@@ -30,3 +31,36 @@ def compose_train(overrides: list[str], output_dir: Path | None = None) -> DictC
         cfg.hydra.job.num = 0
     HydraConfig.instance().set_config(cfg)
     return cfg
+
+
+class TowerCounter:
+    """Counts vision-tower calls and the images (patch rows for Qwen, tiles for LLaVA-Next) they see."""
+
+    def __init__(self, tower: torch.nn.Module) -> None:
+        self.calls, self.units = 0, 0
+        self.handle = tower.register_forward_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs, output) -> None:
+        first = args[0] if args else next(v for v in kwargs.values() if torch.is_tensor(v))
+        self.calls += 1
+        self.units += first.shape[0]
+
+    def __enter__(self) -> TowerCounter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+
+# What lora=default trains: the adapter factors and PEFT's trainable copies (modules_to_save).
+LORA_TRAINED = ("lora_A", "lora_B", "modules_to_save")
+
+
+def trained_by_lora(name: str) -> bool:
+    """Whether PEFT parameter ``name`` is one LoRA training updates."""
+    return any(part in name for part in LORA_TRAINED)
+
+
+def base_name(name: str) -> str:
+    """The HF model's name of a frozen PEFT parameter (``base_layer``/``original_module`` unwrapped)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer", "").replace(".original_module", "")

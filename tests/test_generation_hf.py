@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import TowerCounter
 from lightning_vlm.data.synthetic import synthetic_rows
 from lightning_vlm.generation.base import Generator, SamplingSettings, cut_at_eos
 from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.models.image_tokens import repeat_samples
+from lightning_vlm.models.tiny import TINY_FAMILIES
 from lightning_vlm.models.vlm import PRIVATE_KEYS, VLM
 
 FAMILIES = ("qwen2_5_vl", "gemma3")
@@ -108,3 +110,35 @@ def test_training_logps_match_sampler_logps(vlms):
     for b, sampled in enumerate(rollouts.logprobs):
         got = logps[b][inputs["completion_mask"][b].bool()].tolist()
         assert got == pytest.approx(sampled, abs=1e-4)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_g_samples_share_the_prompt_images_and_equal_the_repeated_batch(tiny_path, family):
+    """One vision pass per prompt image while sampling G completions, with the same samples as G copies."""
+    vlm = VLM(tiny_path(family))
+    rows = synthetic_rows("prompt", 2, seed=3)
+    rows[1]["images"] = [rows[1]["images"][0].resize((84, 140))]
+    hot = SamplingSettings(max_new_tokens=6, temperature=3.0)
+    generator = HFGenerator(vlm)
+    inputs = vlm.encode_prompts([r["prompt"] for r in rows], [r["images"] for r in rows])
+    with TowerCounter(vlm.vision_tower) as once:
+        vlm.hidden_states(inputs)
+    torch.manual_seed(0)
+    with TowerCounter(vlm.vision_tower) as shared:
+        rollouts = generator.generate(rows, num_generations=3, sampling=hot)
+    # The naive way: every prompt repeated G times before generate, its images encoded G times.
+    repeated = repeat_samples(inputs, 3, vlm.config)
+    torch.manual_seed(0)
+    with TowerCounter(vlm.vision_tower) as naive, torch.no_grad():
+        vlm.model.eval()
+        plain = vlm.model.generate(
+            **{k: v for k, v in repeated.items() if k not in PRIVATE_KEYS},
+            generation_config=generator.generation_config(hot),
+        ).sequences
+        vlm.model.train()
+    expected = [
+        cut_at_eos(ids, {vlm.end_of_turn_id})[0] for ids in plain[:, inputs["input_ids"].shape[1] :].tolist()
+    ]
+    assert rollouts.completion_ids == expected
+    assert (shared.calls, shared.units) == (1, once.units)
+    assert naive.units == 3 * once.units

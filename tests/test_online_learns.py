@@ -23,11 +23,9 @@ RUNS = {
     # 16 prompts a batch: 256 batches are one epoch of the 4096 synthetic prompts (validation at the end)
     "online_dpo": ([], 250),
     "grpo_beta": (["method=grpo", "method.beta=0.04"], 300),
+    # LoRA adapters (plus the output head, conf/scale/tiny.yaml) with the KL to the adapter-free model
+    "grpo_lora_beta": (["method=grpo", "lora=default", "method.beta=0.04"], 300),
 }
-# LoRA is not here: on this 64-wide language model GRPO with LoRA diverges (entropy -> uniform) at
-# lr >= 3e-3 and gains only +0.02..+0.12 at 1e-3..2e-3 in 300-600 batches (measured); LoRA runs are
-# covered in test_online_methods.py. See the issue note.
-MIN_GAIN: dict[str, float] = {}
 
 
 def run_learning(name: str, warm: str, tmp_path) -> tuple[float, float, float]:
@@ -62,5 +60,5 @@ def run_learning(name: str, warm: str, tmp_path) -> tuple[float, float, float]:
 def test_online_method_raises_accuracy_reward(name, sft_warm_start, tmp_path):
     before, after, seconds = run_learning(name, sft_warm_start(), tmp_path)
     print(f"{name}: sampled accuracy reward {before:.3f} -> {after:.3f} in {seconds:.0f} s")
-    assert after - before >= MIN_GAIN.get(name, 0.2), (name, before, after)
+    assert after - before >= 0.2, (name, before, after)
     assert seconds < 600, seconds

@@ -1,10 +1,13 @@
-"""GRPO with LoRA and beta > 0 runs: adapters move, base weights stay, KL to the adapter-free reference is logged."""
+"""GRPO with LoRA and beta > 0: adapters (and modules_to_save) move, base weights stay, the KL is logged.
+
+That it learns is in test_online_learns.py (grpo_lora_beta).
+"""
 
 from __future__ import annotations
 
 import torch
 
-from helpers import compose_train
+from helpers import compose_train, trained_by_lora
 from lightning_vlm.training import train
 
 
@@ -21,7 +24,8 @@ def test_grpo_lora_with_kl_trains_adapters_only(tmp_path, sft_warm_start):
     metrics, out = train(cfg)
     module = out["module"]
     assert module.vlm.is_lora and out["trainer"].global_step == 3
+    assert list(cfg.model.lora.modules_to_save) == ["lm_head"]  # the tiny models' LoRA setting
     for name, value in module.vlm.model.named_parameters():
         changed = not torch.equal(value.detach(), before[name])
-        assert changed == ("lora_A" in name or "lora_B" in name), name
+        assert changed == trained_by_lora(name), name
     assert any(k.startswith("train/kl") for k in metrics), sorted(metrics)

@@ -12,13 +12,27 @@ from helpers import compose_train
 @pytest.mark.parametrize("method", ["grpo", "gspo", "rloo", "online_dpo"])
 def test_real_model_composes_with_one_gpu_settings(method, tmp_path):
     cfg = compose_train([f"method={method}", "model=qwen2_5_vl"], tmp_path)
-    assert (
-        cfg.model.dtype == "bfloat16" and cfg.model.gradient_checkpointing and cfg.model.freeze_vision_tower
-    )
+    assert cfg.model.gradient_checkpointing and cfg.model.freeze_vision_tower
+    # fp32 master weights, bf16 compute: a 1e-6 AdamW step survives (it would round away on bf16 weights)
+    assert cfg.model.dtype == "float32" and cfg.trainer.precision == "bf16-mixed"
+    # TRL's lr and completion length for pretrained models, micro-batches that bound activation memory
+    assert cfg.method.optimizer.lr == 1e-6 and cfg.method.max_completion_length == 512
+    assert cfg.method.sampling.max_new_tokens == 512 and cfg.method.micro_batch_size == 8
     # manual optimisation: the method clips (max_grad_norm), the trainer must not
     assert cfg.trainer.gradient_clip_val is None and cfg.trainer.accumulate_grad_batches == 1
     assert cfg.data._target_.endswith("PromptDataModule")
     _bind(cfg.model)
+
+
+@pytest.mark.parametrize("method", ["grpo", "gspo", "rloo", "online_dpo"])
+def test_size_dependent_settings_follow_the_model(method, tmp_path):
+    tiny = compose_train([f"method={method}"], tmp_path)
+    assert (tiny.method.optimizer.lr, tiny.method.max_completion_length) == (5e-4, 8)
+    assert tiny.trainer.precision == "32-true" and tiny.model.dtype == "float32"
+    # the 7B trains LoRA adapters on bf16 weights: LoRA's larger rate; explicit overrides still win
+    big = compose_train([f"method={method}", "model=qwen2_5_vl_7b", "method.micro_batch_size=2"], tmp_path)
+    assert big.model.dtype == "bfloat16" and big.model.lora.r == 64 and big.model.lora.modules_to_save is None
+    assert big.method.optimizer.lr == 1e-5 and big.method.micro_batch_size == 2
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import TowerCounter
 from lightning_vlm.data.synthetic import synthetic_rows
 from lightning_vlm.methods.preference_batch import encode_pairs
 from lightning_vlm.models.image_tokens import repeat_samples
@@ -40,25 +41,6 @@ def pair_rows() -> list[dict]:
 
 def naive_inputs(inputs: dict) -> dict:
     return {k: v for k, v in inputs.items() if k != IMAGE_GROUPS_KEY}
-
-
-class TowerCounter:
-    """Counts vision-tower calls and the images (patch rows for Qwen, tiles for LLaVA-Next) they see."""
-
-    def __init__(self, tower: torch.nn.Module) -> None:
-        self.calls, self.units = 0, 0
-        self.handle = tower.register_forward_hook(self._hook, with_kwargs=True)
-
-    def _hook(self, module, args, kwargs, output) -> None:
-        first = args[0] if args else next(v for v in kwargs.values() if torch.is_tensor(v))
-        self.calls += 1
-        self.units += first.shape[0]
-
-    def __enter__(self) -> TowerCounter:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.handle.remove()
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)

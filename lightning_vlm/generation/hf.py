@@ -6,7 +6,6 @@ import torch
 from transformers import GenerationConfig
 
 from lightning_vlm.generation.base import Rollouts, SamplingSettings, cut_at_eos
-from lightning_vlm.models.image_tokens import repeat_samples
 from lightning_vlm.models.vlm import PRIVATE_KEYS, VLM
 
 
@@ -70,25 +69,30 @@ class HFGenerator:
     def _generate(self, rows: list[dict], num_generations: int, sampling: SamplingSettings):
         vlm = self.vlm
         inputs = vlm.encode_prompts([r["prompt"] for r in rows], [r.get("images", []) for r in rows])
-        # Repeat after processing: the images are processed once and each copy gets its own rows of
-        # pixel_values (Qwen's packed patches included), in the same order as the prompts.
-        inputs = repeat_samples(inputs, num_generations, vlm.config)
         vlm.check_image_tokens(inputs)
         device = next(vlm.model.parameters()).device
         model_inputs = {k: v.to(device) for k, v in inputs.items() if k not in PRIVATE_KEYS}
+        config = self.generation_config(sampling)
+        # G completions per prompt as generate's own expansion (rows stay consecutive): transformers
+        # encodes each prompt's images once before the prefill and repeats the features, so the vision
+        # tower does not run G times. Greedy copies are identical: decode once, repeat the result.
+        copies = 1 if sampling.greedy else num_generations
+        config.num_return_sequences = copies
         was_training = vlm.model.training
         vlm.model.eval()
         try:
             with torch.no_grad():
-                out = vlm.model.generate(
-                    **model_inputs,
-                    generation_config=self.generation_config(sampling),
-                )
+                out = vlm.model.generate(**model_inputs, generation_config=config)
         finally:
             vlm.model.train(was_training)
         new = out.sequences[:, model_inputs["input_ids"].shape[1] :]
         # Scores are the processed logits the token was drawn from (suppression, temperature, top-k/p).
         step_logps = torch.stack(out.scores, dim=1).float().log_softmax(-1) if out.scores else None
+        if copies != num_generations:
+            new = new.repeat_interleave(num_generations, dim=0)
+            step_logps = (
+                step_logps.repeat_interleave(num_generations, dim=0) if step_logps is not None else None
+            )
         ids, logprobs, truncated = [], [], []
         for i, row in enumerate(new.tolist()):
             kept, cut = cut_at_eos(row, {vlm.end_of_turn_id})

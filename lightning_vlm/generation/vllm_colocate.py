@@ -66,7 +66,7 @@ def adapter_engine_options(vlm: Any) -> dict[str, Any]:
     if trained:
         raise ValueError(
             f"weight_sync='adapter' pushes only LoRA weights, but {trained[0]!r} (and {len(trained) - 1} "
-            "more) train too; freeze them or use weight_sync='merged'"
+            "more) train too; freeze them (e.g. model.lora.modules_to_save=null) or use weight_sync='merged'"
         )
     config = vlm.model.peft_config[vlm.model.active_adapter]
     rank = 8  # vLLM accepts ranks 8, 16, 32, ...: the smallest that holds the adapter

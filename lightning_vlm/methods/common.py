@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def configure_optimizers(
@@ -19,9 +22,26 @@ def configure_optimizers(
     if not params:
         raise ValueError("no trainable parameters: is everything frozen (vision tower, LoRA settings)?")
     opt = optimizer(params=params)
+    _warn_half_precision_updates(params, opt)
     if scheduler is None:
         return opt
     return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler(optimizer=opt), "interval": "step"}}
+
+
+def _warn_half_precision_updates(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer) -> None:
+    # bf16 keeps 8 significant bits: an update below ~0.4% of a weight rounds away, so a 1e-6 AdamW
+    # step on bf16 weights silently does nothing. fp32 master weights (model.dtype=float32 with
+    # trainer.precision=bf16-mixed) keep it; LoRA adapters are fp32 already.
+    half = sum(p.numel() for p in params if p.dtype in (torch.bfloat16, torch.float16))
+    lr = max(group["lr"] for group in opt.param_groups)
+    if half and lr < 1e-4:
+        log.warning(
+            "%d trainable parameters are stored in half precision with lr=%g: most updates will round "
+            "away. Load the model in float32 (model.dtype=float32) and train with trainer.precision="
+            "bf16-mixed, or train LoRA adapters.",
+            half,
+            lr,
+        )
 
 
 def message_text(message: dict) -> str:

@@ -76,7 +76,8 @@ class VLM(torch.nn.Module):
             from peft import LoraConfig, get_peft_model
 
             kwargs = dict(lora)
-            kwargs.setdefault("target_modules", self.language_lora_targets(model))
+            if kwargs.get("target_modules") is None:
+                kwargs["target_modules"] = self.language_lora_targets(model)
             kwargs.setdefault("task_type", "CAUSAL_LM")
             model = get_peft_model(model, LoraConfig(**kwargs))
         # from_pretrained returns eval mode; Lightning keeps modes as it finds them, so without this
