@@ -91,6 +91,7 @@ class Engine:
         from vllm import SamplingParams
 
         from lightning_vlm.generation.vllm_engine import vllm_inputs
+        from lightning_vlm.generation.vllm_sampling import completions_of
 
         sampling = dict(body.get("sampling") or {})
         unknown = set(sampling) - SAMPLING_FIELDS
@@ -119,14 +120,8 @@ class Engine:
             raise BadRequest(f"bad sampling parameters: {exc}") from exc
         with self.lock:
             outputs = self.llm.generate(requests, params, use_tqdm=False)
-        ids, logprobs, reasons = [], [], []
-        for request in outputs:
-            for c in request.outputs:
-                tokens = [int(t) for t in c.token_ids]
-                ids.append(tokens)
-                steps = c.logprobs or []
-                logprobs.append([float(s[t].logprob) for t, s in zip(tokens, steps, strict=False)])
-                reasons.append(c.finish_reason)
+        ids, logprobs = completions_of(outputs)
+        reasons = [c.finish_reason for request in outputs for c in request.outputs]
         return {"completion_ids": ids, "logprobs": logprobs, "finish_reasons": reasons,
                 "weight_version": self.weight_version}  # fmt: skip
 
