@@ -55,6 +55,12 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         }
         log.info("Metrics before training: %s", initial)
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    wanted = cfg.get("optimized_metric")
+    if wanted and wanted not in trainer.callback_metrics and trainer.limit_val_batches != 0:
+        # The run ended before its first validation (e.g. trainer.max_steps below val_check_interval):
+        # validate the final weights once, so a short run and a sweep still report their metric.
+        log.info("No validation ran during fit: validating the final weights once for %s", wanted)
+        trainer.validate(module, datamodule=datamodule, verbose=False)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
     log.info("Final metrics: %s", metrics)
@@ -68,9 +74,14 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
 
 
 def metric_value(metrics: dict[str, float], name: str | None) -> float | None:
-    """The value a sweeper optimises; a clear error when the configured metric was never logged."""
+    """The value a sweeper optimises; ``None`` with a warning naming what was logged when it never was
+    (no validation data, or ``trainer.limit_val_batches=0``)."""
     if not name:
         return None
     if name not in metrics:
-        raise KeyError(f"optimized_metric={name!r} was not logged; logged metrics: {sorted(metrics)}")
+        log.warning(
+            "optimized_metric=%r was not logged (no validation ran); returning None. Logged metrics: %s",
+            name, sorted(metrics),
+        )  # fmt: skip
+        return None
     return metrics[name]

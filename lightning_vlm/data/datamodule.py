@@ -209,18 +209,47 @@ class VLMDataModule(L.LightningDataModule):
         self.train_dataset = self._dataset(train, indices)
         self.val_dataset = self._dataset(val, val_indices) if val is not None and val_indices else None
 
+    def _world(self) -> tuple[int, int]:
+        """(rank, world size) of the Trainer this DataModule is attached to; (0, 1) without one."""
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
     def train_dataloader(self) -> DataLoader:
-        """Shuffled (from ``seed`` and the epoch) batches of normalised rows; resumable mid-epoch."""
+        """This process's shard of the epoch's shuffled order (from ``seed`` and the epoch); resumable.
+
+        ``batch_size`` is per process (Lightning's convention): a step of W processes trains on
+        ``batch_size × W`` rows, the ones a single process with that batch size would see.
+        """
         hp = self.hparams
+        rank, world = self._world()
         return ResumableDataLoader(
             self.train_dataset,
             batch_size=hp.batch_size,
             seed=hp.seed,
             shuffle=hp.shuffle,
+            num_replicas=world,
+            rank=rank,
             collate_fn=collate_rows,
             num_workers=hp.num_workers,
             persistent_workers=hp.num_workers > 0,
         )
+
+    def shard_dataloaders(self, val: bool = True, batch_size: int | None = None) -> list[DataLoader]:
+        """Every train (and, with ``val``, validation) row once, in order, this process's share only
+        (ranks get disjoint parts): for passes over the whole data, e.g. precomputing reference log-probs."""
+        rank, world = self._world()
+        return [
+            ResumableDataLoader(
+                dataset,
+                batch_size=batch_size or self.hparams.batch_size,
+                shuffle=False,
+                num_replicas=world,
+                rank=rank,
+                collate_fn=collate_rows,
+            )  # fmt: skip
+            for dataset in (self.train_dataset, self.val_dataset if val else None)
+            if dataset is not None
+        ]
 
     def val_dataloader(self) -> DataLoader | list:
         """Batches of validation rows in order; an empty list (Lightning: no validation) when there is none."""

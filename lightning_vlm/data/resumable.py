@@ -1,67 +1,141 @@
-"""A DataLoader that Lightning can resume mid-epoch: same order, next unseen batch, after a restart.
+"""A DataLoader that Lightning can resume mid-epoch, on one process or many: same order, next unseen batch.
+
+The order of epoch ``e`` is a permutation seeded by ``seed + e`` (Lightning calls
+``sampler.set_epoch``), so it does not depend on how many epochs ran in this process. Under data
+parallelism rank ``r`` of ``W`` takes every ``W``-th index of that order, starting at ``r`` (the
+order is padded by wrapping around to a multiple of ``W``, as ``DistributedSampler`` does, so every
+rank has as many batches and no collective waits for a rank that ran out). Batch ``k`` of all ranks
+together is then ``order[k·B·W : (k+1)·B·W]``: the rows one process with batch ``B·W`` would train on.
 
 Lightning saves ``state_dict()`` of any train loader that has one into the checkpoint and calls
-``load_state_dict`` before iterating again on resume. The order of epoch ``e`` is a permutation
-seeded by ``seed + e`` (Lightning calls ``sampler.set_epoch``), so it does not depend on how many
-epochs ran in this process, and resuming skips the indices already drawn without loading them.
+``load_state_dict`` before iterating again on resume. The position is kept as the number of samples
+of the epoch's order that all ranks consumed together, so a run resumed on another world size
+continues from the same place in the order (with a warning: batches are then cut differently).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+log = logging.getLogger(__name__)
 
 
-class EpochSeededSampler(Sampler[int]):
-    """Indices ``0..n-1``, shuffled by a generator seeded with ``seed + epoch`` (or in order)."""
+class EpochSeededSampler(DistributedSampler):
+    """Rank ``rank``'s share of epoch ``e``'s order (seeded by ``seed + e``, or ``0..n-1``).
 
-    def __init__(self, length: int, seed: int = 0, shuffle: bool = True) -> None:
+    A ``DistributedSampler`` subclass so that Lightning, which injects its own sampler under DDP,
+    leaves this one (and its resumable position) alone. The world is given, never looked up.
+    """
+
+    def __init__(
+        self, length: int, seed: int = 0, shuffle: bool = True, num_replicas: int = 1, rank: int = 0
+    ) -> None:
+        # DistributedSampler.__init__ is not called: it would query torch.distributed for the world.
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(
+                f"rank must be in [0, num_replicas), got rank={rank}, num_replicas={num_replicas}"
+            )
         self.length, self.seed, self.shuffle = length, seed, shuffle
+        self.num_replicas, self.rank = num_replicas, rank
+        self.drop_last = False
         self.epoch = 0
-        self.start = 0  # indices of this epoch already consumed before a restart
+        # Where a restored position applies: (epoch, samples of its order already consumed by all ranks).
+        self._resume: tuple[int, int] | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """Called by Lightning at the start of each epoch."""
         self.epoch = epoch
 
+    @property
+    def num_samples(self) -> int:
+        """Indices per rank in a whole epoch (padded order / world size)."""
+        return math.ceil(self.length / self.num_replicas)
+
     def __len__(self) -> int:
-        return self.length
+        return self.num_samples
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """The whole epoch's order over all ranks, before sharding and padding."""
+        if not self.shuffle:
+            return torch.arange(self.length)
+        return torch.randperm(self.length, generator=torch.Generator().manual_seed(self.seed + epoch))
+
+    def resume_at(self, epoch: int, samples: int) -> None:
+        """Continue ``epoch`` after its first ``samples`` indices (counted over all ranks)."""
+        self._resume = (epoch, samples)
 
     def __iter__(self) -> Iterator[int]:
-        if self.shuffle:
-            order = torch.randperm(
-                self.length, generator=torch.Generator().manual_seed(self.seed + self.epoch)
-            )
-        else:
-            order = torch.arange(self.length)
-        start, self.start = self.start, 0
-        return iter(order[start:].tolist())
+        order = self.order(self.epoch)
+        start = 0
+        if self._resume is not None and self._resume[0] == self.epoch:
+            start = min(self._resume[1], self.length)
+        # A restored position belongs to its epoch only: a checkpoint written on an epoch's last batch
+        # must not cut the next epoch short.
+        self._resume = None
+        rest = order[start:]
+        pad = -len(rest) % self.num_replicas
+        if pad and len(rest):
+            rest = torch.cat([rest, order[:pad]])
+        return iter(rest[self.rank :: self.num_replicas].tolist())
 
 
 class ResumableDataLoader(DataLoader):
     """A DataLoader over an :class:`EpochSeededSampler` whose position is saved in checkpoints."""
 
     def __init__(
-        self, dataset: Dataset, batch_size: int, seed: int = 0, shuffle: bool = True, **kwargs: Any
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        num_replicas: int = 1,
+        rank: int = 0,
+        **kwargs: Any,
     ) -> None:
-        sampler = EpochSeededSampler(len(dataset), seed=seed, shuffle=shuffle)
+        sampler = EpochSeededSampler(
+            len(dataset), seed=seed, shuffle=shuffle, num_replicas=num_replicas, rank=rank
+        )
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
-        self._fetched = 0  # batches handed out in the current pass
+        self._fetched = 0  # batches handed out in this pass over the current epoch
+        self._start = 0  # samples (all ranks) of the current epoch consumed before this pass began
 
     def __iter__(self):
-        self._fetched = self.sampler.start // self.batch_size
+        sampler: EpochSeededSampler = self.sampler
+        resume = sampler._resume
+        self._start = resume[1] if resume is not None and resume[0] == sampler.epoch else 0
+        self._fetched = 0
         for batch in super().__iter__():
             self._fetched += 1
             yield batch
 
     def state_dict(self) -> dict[str, int]:
-        """Epoch and number of batches handed out so far in it."""
-        return {"epoch": self.sampler.epoch, "batches": self._fetched}
+        """Epoch, batches handed out in it (per rank), and samples of its order consumed by all ranks."""
+        sampler: EpochSeededSampler = self.sampler
+        consumed = self._start + self._fetched * self.batch_size * sampler.num_replicas
+        return {
+            "epoch": sampler.epoch,
+            "batches": self._start // (self.batch_size * sampler.num_replicas) + self._fetched,
+            "samples": min(consumed, sampler.length),
+            "world_size": sampler.num_replicas,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue the saved epoch after its last handed-out batch."""
-        self.sampler.epoch = state["epoch"]
-        self.sampler.start = state["batches"] * self.batch_size
+        """Continue the saved epoch after the samples it had consumed."""
+        sampler: EpochSeededSampler = self.sampler
+        world = state.get("world_size", 1)
+        # Checkpoints of earlier versions hold only the batch count of one process.
+        samples = state.get("samples", state["batches"] * self.batch_size * world)
+        if world != sampler.num_replicas:
+            log.warning(
+                "resuming a checkpoint written by %d processes on %d: the data order continues at sample %d "
+                "of epoch %d, but batches are cut differently, so the run will not match an uninterrupted one",
+                world, sampler.num_replicas, samples, state["epoch"],
+            )  # fmt: skip
+        sampler.epoch = state["epoch"]
+        sampler.resume_at(state["epoch"], samples)

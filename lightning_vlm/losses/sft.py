@@ -5,14 +5,20 @@ from __future__ import annotations
 import torch
 
 
-def sft_loss(token_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def sft_loss(
+    token_logps: torch.Tensor, mask: torch.Tensor, num_items_in_batch: torch.Tensor | float | None = None
+) -> torch.Tensor:
     """Mean NLL over all target tokens of the batch: -Σ mask·logp / Σ mask.
 
     Token-level mean (as TRL's SFT and HF's causal-LM loss), so long answers weigh more than short
-    ones. An all-zero mask gives 0 (not NaN), so an empty batch cannot poison the weights.
+    ones. ``num_items_in_batch`` replaces the local Σ mask (TRL's name): under data parallelism the
+    token count of all ranks divided by the world size, so that DDP's gradient average is the mean
+    over every rank's tokens. An all-zero mask gives 0 (not NaN), so an empty batch cannot poison the
+    weights.
     """
     mask = mask.to(token_logps.dtype)
-    return -(token_logps * mask).sum() / mask.sum().clamp(min=1.0)
+    tokens = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch)
+    return -(token_logps * mask).sum() / tokens.to(token_logps.dtype).clamp(min=1.0)
 
 
 def token_accuracy(

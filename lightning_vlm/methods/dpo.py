@@ -25,6 +25,7 @@ from lightning_vlm.methods.preference_batch import encode_pairs, split_pairs
 from lightning_vlm.methods.reference_cache import ReferenceLogpCache, model_key, weights_fingerprint
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
+from lightning_vlm.parallel.collectives import gather_cat, mean_normalizer
 from lightning_vlm.rewards.accuracy import answers_match
 
 
@@ -112,16 +113,16 @@ class DPO(L.LightningModule):
             self.ref.to(self.device)
         if not self.hparams.precompute_ref_logps:
             return
-        datamodule = self.trainer.datamodule
-        loaders = [datamodule.train_dataloader()]
-        if self.trainer.limit_val_batches != 0:
-            loaders.append(datamodule.val_dataloader())
         cache = self._cache()
-        for loader in loaders:
-            for rows in loader or []:
+        # Every rank computes a disjoint share of all rows, so together the ranks cover the rows any
+        # of them will meet in any epoch (the shards of the shuffled order change every epoch).
+        for loader in self.trainer.datamodule.shard_dataloaders(val=self.trainer.limit_val_batches != 0):
+            for rows in loader:
                 if cache.missing(rows):
                     self._reference_logps(rows, self._encode(rows))
         cache.save()
+        self.trainer.strategy.barrier("precompute_ref_logps")
+        cache.reload()
         # Every row's values are stored: the frozen copy is no longer needed (LoRA's costs nothing).
         self.ref = None
 
@@ -144,10 +145,15 @@ class DPO(L.LightningModule):
         if "bco_pair" in hp.loss_type and train:
             # δ tracks the mean implicit reward over all ranks' pairs seen so far (TRL's RunningMoments).
             rewards = hp.beta * torch.cat([chosen - ref_chosen, rejected - ref_rejected]).detach()
-            self.bco_delta.update(self.all_gather(rewards).flatten())
+            self.bco_delta.update(gather_cat(rewards))
         loss, metrics = weighted_preference_loss(
             hp.loss_type, hp.loss_weights, inputs, hp.beta, hp.label_smoothing, self.bco_delta.mean
         )
+        if train:
+            # Every term is a mean over pairs: rescale this rank's mean so that DDP's gradient average
+            # is the mean over all ranks' pairs, also when ranks hold different numbers of them.
+            pairs = torch.tensor(float(len(rows)), device=loss.device)
+            loss = loss * pairs / mean_normalizer(pairs)
         # A tie (policy == reference, e.g. before the first step) is a coin flip, not a miss: count it
         # half, so an untrained policy reads 0.5 rather than 0.
         margin = (chosen - ref_chosen) - (rejected - ref_rejected)

@@ -9,7 +9,7 @@ import torch
 from lightning_vlm.losses.advantages import SCALE_REWARDS, group_advantages
 from lightning_vlm.losses.policy import LEVELS, LOSS_TYPES, policy_loss
 from lightning_vlm.methods.online import OnlineRL
-from lightning_vlm.methods.rollout_buffer import RolloutBatch
+from lightning_vlm.methods.rollout_buffer import RolloutBatch, Step
 
 
 class GRPO(OnlineRL):
@@ -41,11 +41,16 @@ class GRPO(OnlineRL):
         super().__init__(*args, **kwargs)
 
     def compute_advantages(self, batch: RolloutBatch) -> torch.Tensor:
-        """(r - group mean) / (std + 1e-4), std of the group, the batch, or none (Dr. GRPO)."""
-        return group_advantages(batch.rewards, self.hparams.num_generations, self.hparams.scale_rewards)
+        """(r - group mean) / (std + 1e-4), std of the group, the batch (all ranks'), or none (Dr. GRPO)."""
+        hp = self.hparams
+        if hp.scale_rewards != "batch":
+            return group_advantages(batch.rewards, hp.num_generations, hp.scale_rewards)
+        # TRL's batch std is over the whole generation batch: every rank's rewards.
+        everyone = group_advantages(batch.shard.gather(batch.rewards), hp.num_generations, "batch")
+        return batch.shard.local(everyone)
 
     def loss(
-        self, batch: RolloutBatch, index: torch.Tensor, step: torch.Tensor, logps: torch.Tensor,
+        self, batch: RolloutBatch, index: torch.Tensor, step: Step, logps: torch.Tensor,
         entropy: torch.Tensor | None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
         hp = self.hparams
@@ -67,10 +72,12 @@ class GRPO(OnlineRL):
             loss_type=hp.loss_type,
             is_weights=None if batch.is_weights is None else batch.is_weights[index],
             max_completion_length=self.sampling.max_new_tokens,
-            # Normalisers of the whole optimizer step, so accumulation does not change the update.
-            num_items_in_batch=batch.completion_mask[step].sum().clamp(min=1),
-            num_sequences_in_batch=len(step),
+            # Normalisers of the whole optimizer step over all ranks, so neither accumulation nor the
+            # number of processes changes the update.
+            num_items_in_batch=step.tokens,
+            num_sequences_in_batch=step.sequences,
         )
         if hp.loss_type == "bnpo":
-            loss = loss * len(index) / len(step)  # local by definition: average the micro-batches
+            # Local by definition (TRL): each micro-batch's token mean, weighted by its share of the step.
+            loss = loss * len(index) / step.sequences
         return loss, stats

@@ -25,15 +25,18 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import ParallelStrategy
 from torchmetrics import MeanMetric
 
 from lightning_vlm.generation.base import Rollouts, SamplingSettings
 from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.losses.importance import rollout_correction, split_trl_mode
 from lightning_vlm.methods.common import configure_optimizers
-from lightning_vlm.methods.rollout_buffer import RolloutBatch, index_chunks
+from lightning_vlm.methods.online_metrics import log_synced, rollout_metrics
+from lightning_vlm.methods.rollout_buffer import RolloutBatch, Step, global_counts, index_chunks
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
+from lightning_vlm.parallel.collectives import Shard
 from lightning_vlm.rewards.accuracy import answers_match
 from lightning_vlm.rewards.scoring import RewardScorer
 
@@ -126,9 +129,10 @@ class OnlineRL(L.LightningModule):
     # ---- the loop ----------------------------------------------------------------------------------------
     def training_step(self, rows: list[dict], batch_idx: int) -> None:
         hp = self.hparams
-        # 1. Sample G completions per prompt with the current weights. The sampling RNG is seeded from
-        #    (seed, global_step), so a resumed run regenerates exactly what the uninterrupted run drew.
-        with self._seeded(None if hp.seed is None else hp.seed * 1_000_003 + self.trainer.global_step):
+        # 1. Sample G completions per prompt with the current weights; under data parallelism each rank
+        #    samples all G of its own prompts (a group never spans ranks). The sampling RNG is seeded
+        #    from (seed, global_step, rank), so a resumed run regenerates what the uninterrupted one drew.
+        with self._seeded(self.rollout_seed()):
             rollouts = self.generator.generate(rows, hp.num_generations, self.sampling)
         # 2. Score them; None rewards stay NaN (out of group statistics, advantage 0).
         per_function, _ = self.score(rollouts)
@@ -141,6 +145,7 @@ class OnlineRL(L.LightningModule):
                 f"{n} completions (batch_size × num_generations) do not split into "
                 f"steps_per_generation={hp.steps_per_generation} equal optimizer steps"
             )
+        batch.shard = Shard.exchange(n, self.device)
         # 3. Log-probs that must be frozen at generation time: old (the policy will move, or the
         #    sampler was another engine) and reference (KL).
         correct = hp.vllm_importance_sampling_correction and not self.sampler_is_policy(rollouts)
@@ -155,33 +160,35 @@ class OnlineRL(L.LightningModule):
                 batch.old_logps, batch.sampler_logps, batch.completion_mask, self.is_level, self.is_mode,
                 hp.vllm_importance_sampling_cap,
             )  # fmt: skip
-            self.log_dict({f"train/{k}": v for k, v in is_metrics.items()}, batch_size=len(rows))
-        # 4. Advantages, once per generation.
+            self.log_dict(
+                {f"train/{k}": v for k, v in is_metrics.items()}, batch_size=len(rows), sync_dist=True
+            )
+        # 4. Advantages, once per generation (statistics over all ranks' completions where TRL takes them
+        #    over the whole generation batch).
         batch.advantages = self.compute_advantages(batch)
         self.log_rollouts(batch)
-        # 5. num_iterations passes over steps_per_generation optimizer steps.
+        # 5. num_iterations passes over steps_per_generation optimizer steps. Every loss divides by
+        #    normalisers of its whole optimizer step over all ranks, so neither micro-batching nor the
+        #    number of processes changes the update.
+        chunks = index_chunks(n, hp.steps_per_generation, hp.micro_batch_size)
+        counts = global_counts(
+            [self.step_counts(batch, torch.cat(c).to(self.device)) for c in chunks], batch.shard.world_size
+        )
         opt, sched = self.optimizers(), self.lr_schedulers()
         metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
         for _ in range(hp.num_iterations):
-            for micro_batches in index_chunks(n, hp.steps_per_generation, hp.micro_batch_size):
-                step = torch.cat(micro_batches).to(self.device)
+            for micro_batches, step_counts in zip(chunks, counts, strict=True):
+                step = Step(torch.cat(micro_batches).to(self.device), step_counts)
                 opt.zero_grad()
-                for index in micro_batches:
-                    index = index.to(self.device)
-                    inputs = batch.inputs(index, self.vlm.config)
-                    logps, entropy = self.vlm.token_logps(
-                        inputs, inputs["completion_mask"].bool(), self.sampling.temperature,
-                        return_entropy=True, mask_suppressed=True,
-                    )  # fmt: skip
-                    w = batch.prompt_width
-                    loss, stats = self.loss(batch, index, step, logps[:, w:], entropy[:, w:])
-                    # Mean entropy of the completion tokens: the same for every method, so logged here.
-                    mask = batch.completion_mask[index].to(entropy.dtype)
-                    stats["entropy"] = (entropy[:, w:] * mask).sum() / mask.sum().clamp(min=1)
-                    self.manual_backward(loss)
+                for j, index in enumerate(micro_batches):
+                    # Gradients are all-reduced once per optimizer step, on its last micro-batch.
+                    sync = j == len(micro_batches) - 1
+                    with contextlib.nullcontext() if sync else self._no_backward_sync():
+                        loss, stats = self._micro_batch_loss(batch, index.to(self.device), step)
+                        self.manual_backward(loss)
                     metrics["loss"].append(loss.detach())
                     for k, v in stats.items():
-                        metrics[k].append(v * len(index) / len(step))
+                        metrics[k].append(v * len(index) / len(step.index))
                 if hp.max_grad_norm:
                     self.clip_gradients(
                         opt, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm"
@@ -192,10 +199,46 @@ class OnlineRL(L.LightningModule):
                 self.on_policy_update()
         steps = hp.num_iterations * hp.steps_per_generation
         # Loss terms add up over a step's micro-batches; the stats were weighted to a mean per step.
-        self.log_dict(
-            {f"train/{k}": torch.stack(v).sum() / steps for k, v in metrics.items()},
-            prog_bar=False, batch_size=len(rows),
+        # Each rank's loss is its share of the step's loss: the mean over ranks is the step's loss.
+        log_synced(self, {f"train/{k}": torch.stack(v).sum() / steps for k, v in metrics.items()}, len(rows))
+
+    def _micro_batch_loss(
+        self, batch: RolloutBatch, index: torch.Tensor, step: Step
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        inputs = batch.inputs(index, self.vlm.config)
+        logps, entropy = self.vlm.token_logps(
+            inputs, inputs["completion_mask"].bool(), self.sampling.temperature,
+            return_entropy=True, mask_suppressed=True,
         )  # fmt: skip
+        w = batch.prompt_width
+        loss, stats = self.loss(batch, index, step, logps[:, w:], entropy[:, w:])
+        # Mean entropy of the completion tokens: the same for every method, so logged here.
+        mask = batch.completion_mask[index].to(entropy.dtype)
+        stats["entropy"] = (entropy[:, w:] * mask).sum() / mask.sum().clamp(min=1)
+        return loss, stats
+
+    def step_counts(self, batch: RolloutBatch, index: torch.Tensor) -> dict[str, torch.Tensor]:
+        """This rank's counts in one optimizer step that the loss normalises by (``Step.counts``)."""
+        return {
+            "tokens": batch.completion_mask[index].sum(),
+            "sequences": torch.tensor(len(index), device=index.device),
+        }
+
+    def rollout_seed(self) -> int | None:
+        """The sampling seed of this generation: (seed, global_step, rank); rank 0 of one process keeps
+        the single-process value."""
+        if self.hparams.seed is None:
+            return None
+        return (self.hparams.seed * 1_000_003 + self.trainer.global_step) * self.trainer.world_size + (
+            self.trainer.global_rank
+        )
+
+    def _no_backward_sync(self) -> contextlib.AbstractContextManager:
+        # DDP's no_sync (Lightning's strategy knows whether the model is wrapped); a no-op otherwise.
+        strategy = self.trainer.strategy
+        if isinstance(strategy, ParallelStrategy):
+            return strategy.block_backward_sync()
+        return contextlib.nullcontext()
 
     def on_policy_update(self) -> None:
         """Called after every optimizer step: the policy's weights changed (hook for weight syncing)."""
@@ -228,25 +271,9 @@ class OnlineRL(L.LightningModule):
 
     # ---- metrics -------------------------------------------------------------------------------------------
     def log_rollouts(self, batch: RolloutBatch) -> None:
-        """Per-generation metrics: rewards per function, advantages, completion lengths, truncation."""
+        """Per-generation metrics over every rank's completions (the same values on every rank)."""
         n_prompts = len(batch.rollouts.rows)
-        lengths = batch.token_mask.sum(-1).float()
-        grouped = batch.rewards.view(-1, self.hparams.num_generations)
-        values = {
-            "reward": torch.nanmean(batch.rewards),
-            "reward_std": _nanstd(batch.rewards),
-            "frac_reward_zero_std": (grouped.nan_to_num(-1e9).std(-1) == 0).float().mean(),
-            "advantages/mean": batch.advantages.mean(),
-            "advantages/std": batch.advantages.std() if len(batch) > 1 else batch.advantages.new_zeros(()),
-            "advantages/abs_mean": batch.advantages.abs().mean(),
-            "completions/mean_length": lengths.mean(),
-            "completions/min_length": lengths.min(),
-            "completions/max_length": lengths.max(),
-            "completions/clipped_ratio": torch.tensor(batch.rollouts.truncated, dtype=torch.float).mean(),
-        }
-        for j, name in enumerate(self.scorer.names):
-            values[f"rewards/{name}/mean"] = torch.nanmean(batch.per_function[:, j])
-            values[f"rewards/{name}/std"] = _nanstd(batch.per_function[:, j])
+        values = rollout_metrics(batch, self.hparams.num_generations, list(self.scorer.names))
         self.log_dict({f"train/{k}": v for k, v in values.items()}, batch_size=n_prompts)
         self.log("train/reward_step", values["reward"], prog_bar=True, batch_size=n_prompts, logger=False)
 
@@ -261,23 +288,21 @@ class OnlineRL(L.LightningModule):
             )
             answers = self.generator.generate(rows, 1, greedy)
             sampled = self.generator.generate(rows, hp.val_num_generations, self.sampling)
-        solutions = [r.get("solution") for r in rows]
-        hits = [float(answers_match(t, str(s))) for t, s in zip(answers.completion_texts, solutions, strict=True)
-                if s is not None]  # fmt: skip
-        if hits:
+        # Metrics are updated (possibly with nothing) and logged by every rank on every batch: their
+        # sync at epoch end is a collective, which a rank that skipped it would leave hanging.
+        if "solution" in rows[0]:  # a column of the data set, so the same on every rank
+            hits = [float(answers_match(t, str(r["solution"]))) for t, r in zip(answers.completion_texts, rows,
+                    strict=True) if r.get("solution") is not None]  # fmt: skip
             self.val_answer_accuracy.update(torch.tensor(hits, device=self.device))
-            self.log("val/answer_accuracy", self.val_answer_accuracy, prog_bar=True, batch_size=len(hits))
+            self.log("val/answer_accuracy", self.val_answer_accuracy, prog_bar=True, batch_size=len(rows))
         per_function, names = self.score(sampled)
         total = self.scorer.total(per_function)
-        valid = ~total.isnan()
-        if valid.any():
-            self.val_reward.update(total[valid].to(self.device))
-            self.log("val/reward", self.val_reward, prog_bar=True, batch_size=int(valid.sum()))
+        self.val_reward.update(total[~total.isnan()].to(self.device))
+        self.log("val/reward", self.val_reward, prog_bar=True, batch_size=len(rows))
         for j, name in enumerate(names):
             column = per_function[:, j]
-            if (~column.isnan()).any():
-                self.val_rewards[name].update(column[~column.isnan()].to(self.device))
-                self.log(f"val/rewards/{name}", self.val_rewards[name], batch_size=len(rows))
+            self.val_rewards[name].update(column[~column.isnan()].to(self.device))
+            self.log(f"val/rewards/{name}", self.val_rewards[name], batch_size=len(rows))
 
     # ---- setup, checkpointing, optimizers --------------------------------------------------------------
     def on_fit_start(self) -> None:
@@ -302,9 +327,3 @@ class OnlineRL(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory)
-
-
-def _nanstd(x: torch.Tensor) -> torch.Tensor:
-    """Unbiased std over non-NaN entries (0 with fewer than two)."""
-    valid = x[~x.isnan()]
-    return valid.std() if valid.numel() > 1 else x.new_zeros(())

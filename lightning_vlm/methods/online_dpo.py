@@ -13,7 +13,7 @@ import torch
 
 from lightning_vlm.losses.preference import ipo_loss, sigmoid_loss
 from lightning_vlm.methods.online import OnlineRL
-from lightning_vlm.methods.rollout_buffer import RolloutBatch
+from lightning_vlm.methods.rollout_buffer import RolloutBatch, Step
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
 
@@ -59,14 +59,20 @@ class OnlineDPO(OnlineRL):
         first_chosen = pairs[:, 0] > pairs[:, 1]
         batch.extras.update(pair_valid=valid, first_chosen=first_chosen)
         sign = torch.stack([first_chosen, ~first_chosen], -1).to(rewards.dtype) * 2 - 1
-        self.log("train/valid_pair_frac", valid.float().mean(), batch_size=len(pairs))
+        self.log("train/valid_pair_frac", valid.float().mean(), batch_size=len(pairs), sync_dist=True)
         return (sign * valid.unsqueeze(-1)).reshape(-1)
 
+    def step_counts(self, batch: RolloutBatch, index: torch.Tensor) -> dict[str, torch.Tensor]:
+        # The loss is a mean over the step's valid pairs (of all ranks).
+        counts = super().step_counts(batch, index)
+        counts["pairs"] = batch.extras["pair_valid"][index.view(-1, 2)[:, 0] // 2].sum()
+        return counts
+
     def loss(
-        self, batch: RolloutBatch, index: torch.Tensor, step: torch.Tensor, logps: torch.Tensor,
+        self, batch: RolloutBatch, index: torch.Tensor, step: Step, logps: torch.Tensor,
         entropy: torch.Tensor | None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
-        if len(index) % 2 or len(step) % 2:
+        if len(index) % 2 or len(step.index) % 2:
             raise ValueError("Online DPO needs whole pairs per micro-batch and optimizer step (even sizes)")
         mask = batch.completion_mask[index].to(logps.dtype)
         policy = (logps * mask).sum(-1).view(-1, 2)
@@ -89,8 +95,7 @@ class OnlineDPO(OnlineRL):
             # IPO regresses the length-averaged margin to 1/(2β).
             margin = ratio_c / pick(lengths, chosen) - ratio_r / pick(lengths, rejected)
             per_pair = ipo_loss(margin, self.hparams.beta)
-        step_pairs = batch.extras["pair_valid"][step.view(-1, 2)[:, 0] // 2].sum().clamp(min=1)
-        loss = (per_pair * valid).sum() / step_pairs
+        loss = (per_pair * valid).sum() / step.counts["pairs"]
         with torch.no_grad():
             n = valid.sum().clamp(min=1)
             margins = self.hparams.beta * (ratio_c - ratio_r)

@@ -72,9 +72,13 @@ class ReferenceLogpCache:
         # Under DDP each rank writes its own file (its own data shard); reading merges them all.
         self.path = self.directory / f"ref-logps-{key}-rank{rank}.pt"
         self.values: dict[str, tuple[float, float]] = {}
-        for file in sorted(self.directory.glob(f"ref-logps-{key}-rank*.pt")):
-            self.values.update(torch.load(file, weights_only=True))
+        self.reload()
         self.dirty = False
+
+    def reload(self) -> None:
+        """Merge in every rank's file (after all ranks saved theirs, e.g. behind a barrier)."""
+        for file in sorted(self.directory.glob(f"ref-logps-{self.key}-rank*.pt")):
+            self.values.update(torch.load(file, weights_only=True))
 
     def __len__(self) -> int:
         return len(self.values)

@@ -9,7 +9,7 @@ import torch
 from lightning_vlm.losses.advantages import kl_penalized_rewards, rloo_advantages
 from lightning_vlm.losses.rloo import rloo_loss
 from lightning_vlm.methods.online import OnlineRL
-from lightning_vlm.methods.rollout_buffer import RolloutBatch
+from lightning_vlm.methods.rollout_buffer import RolloutBatch, Step
 
 
 class RLOO(OnlineRL):
@@ -41,16 +41,22 @@ class RLOO(OnlineRL):
 
     def compute_advantages(self, batch: RolloutBatch) -> torch.Tensor:
         """Leave-one-out advantages of the KL-penalised rewards (optionally batch-normalised)."""
+        hp = self.hparams
         rewards = batch.rewards
-        if self.hparams.beta > 0:
+        if hp.beta > 0:
             rewards = kl_penalized_rewards(
-                rewards, batch.old_logps, batch.ref_logps, batch.completion_mask, self.hparams.beta
+                rewards, batch.old_logps, batch.ref_logps, batch.completion_mask, hp.beta
             )
-            self.log("train/penalized_reward", torch.nanmean(rewards), batch_size=len(batch.rollouts.rows))
-        return rloo_advantages(rewards, self.hparams.num_generations, self.hparams.normalize_advantages)
+            penalized = torch.nanmean(batch.shard.gather(rewards))
+            self.log("train/penalized_reward", penalized, batch_size=len(batch.rollouts.rows))
+        if not hp.normalize_advantages:
+            return rloo_advantages(rewards, hp.num_generations)
+        # The normalisation is over the whole generation batch: every rank's advantages.
+        everyone = rloo_advantages(batch.shard.gather(rewards), hp.num_generations, normalize=True)
+        return batch.shard.local(everyone)
 
     def loss(
-        self, batch: RolloutBatch, index: torch.Tensor, step: torch.Tensor, logps: torch.Tensor,
+        self, batch: RolloutBatch, index: torch.Tensor, step: Step, logps: torch.Tensor,
         entropy: torch.Tensor | None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
         hp = self.hparams
@@ -64,7 +70,7 @@ class RLOO(OnlineRL):
             # vLLM sampling: each sequence's term carries its (capped) rollout IS weight.
             advantages = advantages * batch.is_weights[index].amax(-1)
         loss, stats = rloo_loss(
-            logps, old, advantages, mask, hp.epsilon, hp.epsilon_high, num_sequences_in_batch=len(step)
+            logps, old, advantages, mask, hp.epsilon, hp.epsilon_high, num_sequences_in_batch=step.sequences
         )
         if batch.ref_logps is not None:
             stats["kl"] = ((batch.old_logps[index] - batch.ref_logps[index]) * mask).sum(-1).mean()

@@ -20,6 +20,7 @@ from lightning_vlm.models.encoding import TYPE_ID_KEYS, pad_completions
 from lightning_vlm.models.image_tokens import NUM_IMAGES_KEY, merge_image_inputs, split_image_inputs
 from lightning_vlm.models.vision_cache import with_image_groups
 from lightning_vlm.models.vlm import VLM
+from lightning_vlm.parallel.collectives import Shard, all_reduce_sum
 
 PROMPT_TOKEN_KEYS = ("input_ids", "attention_mask", *TYPE_ID_KEYS, NUM_IMAGES_KEY)
 
@@ -43,6 +44,9 @@ class RolloutBatch:
     ref_logps: torch.Tensor | None = None
     sampler_logps: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None
+    # Where these completions sit among all ranks' (set by the loop): statistics TRL takes over the
+    # whole generation batch (batch std, logged means) are taken over every rank's completions.
+    shard: Shard | None = None
     extras: dict = field(default_factory=dict)
 
     @classmethod
@@ -126,6 +130,39 @@ class RolloutBatch:
     def prompt_width(self) -> int:
         """Columns of the (left-padded) prompt part of every micro-batch's inputs."""
         return self.prompt_inputs["input_ids"].shape[1]
+
+
+@dataclass
+class Step:
+    """One optimizer step: this rank's completions in it and the step's normalisers over all ranks.
+
+    ``counts`` maps a name ("tokens": active completion tokens, "sequences", or a method's own) to its
+    sum over every rank's part of the step divided by the world size: a rank dividing its loss *sum*
+    by it makes DDP's gradient average the one-process update (see ``parallel.mean_normalizer``).
+    """
+
+    index: torch.Tensor
+    counts: dict[str, torch.Tensor]
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.counts["tokens"]
+
+    @property
+    def sequences(self) -> torch.Tensor:
+        return self.counts["sequences"]
+
+
+def global_counts(local: list[dict[str, torch.Tensor]], world_size: int) -> list[dict[str, torch.Tensor]]:
+    """Per-step local counts -> Σ over ranks / world size, in one collective for every step and name.
+
+    A count of zero becomes 1 / world size: its loss sum is zero too, and any non-zero total is at
+    least that, so the floor only avoids 0/0 (on one process it is the usual clamp at 1).
+    """
+    names = list(local[0])
+    stacked = torch.stack([torch.stack([c[k].float() for k in names]) for c in local])
+    reduced = (all_reduce_sum(stacked) / world_size).clamp(min=1.0 / world_size)
+    return [dict(zip(names, row, strict=True)) for row in reduced]
 
 
 def index_chunks(n: int, parts: int, size: int | None) -> list[list[torch.Tensor]]:

@@ -14,6 +14,7 @@ from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.losses.sft import sft_loss, token_accuracy
 from lightning_vlm.methods.common import answer_accuracy_rows, configure_optimizers
 from lightning_vlm.models.vlm import VLM
+from lightning_vlm.parallel.collectives import mean_normalizer
 from lightning_vlm.rewards.accuracy import answers_match
 
 
@@ -39,17 +40,21 @@ class SFT(L.LightningModule):
         self.val_token_accuracy = MeanMetric()
         self.val_answer_accuracy = MeanMetric()
 
-    def _loss_and_accuracy(self, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _loss_and_accuracy(
+        self, rows: list[dict], train: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         inputs = self.vlm.encode_sft(rows, max_length=self.hparams.max_length)
         inputs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in inputs.items()}
         labels = inputs.pop("labels")
         mask = labels != -100
         logps, _, argmax = self.vlm.token_logps(inputs, mask, return_argmax=True)
         correct, total = token_accuracy(argmax, labels, mask)
-        return sft_loss(logps, mask), correct, total
+        # Training: a mean over the tokens of every rank's batch (the one-process loss under DDP).
+        tokens = mean_normalizer(total) if train else None
+        return sft_loss(logps, mask, tokens), correct, total
 
     def training_step(self, rows: list[dict], batch_idx: int) -> torch.Tensor:
-        loss, correct, total = self._loss_and_accuracy(rows)
+        loss, correct, total = self._loss_and_accuracy(rows, train=True)
         # forward() gives this batch's value for the step log; the epoch value is token-weighted and
         # synced across devices by torchmetrics.
         self.train_token_accuracy(correct / total.clamp(min=1), weight=total)

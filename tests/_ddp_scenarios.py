@@ -1,0 +1,75 @@
+"""Scenarios run on 2 processes by torchrun (the tests compare them with one-process runs):
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/_ddp_scenarios.py OUT NAME...
+
+``equivalence:<name>`` trains ``ddp_helpers.EQUIVALENCE[name]`` and writes ``OUT/<name>.pt``;
+``rows`` records each rank's rows over one epoch, and over an interrupted and resumed epoch.
+A failing scenario is written to ``OUT/<name>.error`` (rank 0) and the next one still runs.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from ddp_helpers import COMMON, EQUIVALENCE, TWO_PROCESSES  # noqa: E402
+
+from helpers import compose_train  # noqa: E402
+from lightning_vlm.training import train  # noqa: E402
+
+ROWS = [
+    "method=sft", "logger=none", "callbacks=none", "trainer.limit_val_batches=0",
+    "trainer.enable_progress_bar=false", "data.synthetic.num_train=24", *TWO_PROCESSES,
+]  # fmt: skip
+
+
+def equivalence(name: str, out: Path) -> None:
+    overrides = [*COMMON, *EQUIVALENCE[name], *TWO_PROCESSES]
+    overrides += ["+callbacks.save._target_=ddp_helpers.SaveWeights", f"+callbacks.save.path={out / name}.pt"]
+    train(compose_train(overrides, out / name))
+
+
+def rows(out: Path) -> None:
+    """One whole epoch (6 steps of 2 × 2 rows); then the same epoch stopped after 3 steps and resumed."""
+    record = "+callbacks.rows._target_=ddp_helpers.RecordRows"
+    save = "+callbacks.save._target_=ddp_helpers.SaveWeights"
+    whole = [*ROWS, "trainer.max_steps=6", record, f"+callbacks.rows.dirpath={out / 'rows_whole'}",
+             save, f"+callbacks.save.path={out / 'rows_whole.pt'}"]  # fmt: skip
+    train(compose_train(whole, out / "rows_whole"))
+    ckpt = out / "rows_ckpt"
+    first = [*ROWS, "trainer.max_steps=3", record, f"+callbacks.rows.dirpath={out / 'rows_first'}",
+             "+callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint", f"+callbacks.ckpt.dirpath={ckpt}",
+             "+callbacks.ckpt.every_n_train_steps=3", "+callbacks.ckpt.filename=mid"]  # fmt: skip
+    train(compose_train(first, out / "rows_first"))
+    second = [*ROWS, "trainer.max_steps=6", record, f"+callbacks.rows.dirpath={out / 'rows_second'}",
+              f"ckpt_path={ckpt / 'mid.ckpt'}", save, f"+callbacks.save.path={out / 'rows_resumed.pt'}"]  # fmt: skip
+    train(compose_train(second, out / "rows_second"))
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    rank = int(__import__("os").environ.get("RANK", "0"))
+    for name in sys.argv[2:]:
+        try:
+            if name.startswith("equivalence:"):
+                equivalence(name.split(":", 1)[1], out)
+            elif name == "rows":
+                rows(out)
+            else:
+                raise ValueError(f"unknown scenario {name!r}")
+        except Exception:
+            if rank == 0:
+                (out / f"{name.replace(':', '_')}.error").write_text(traceback.format_exc())
+            raise
+    torch.distributed.barrier() if torch.distributed.is_initialized() else None
+
+
+if __name__ == "__main__":
+    main()

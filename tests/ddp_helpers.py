@@ -1,0 +1,170 @@
+"""Helpers of the multi-process tests: rollouts keyed by the prompt, row recording, launching torchrun.
+
+``KeyedGenerator`` gives every prompt the same completions whichever rank samples it and whatever
+batch it is in (they are drawn from a RNG seeded by the row's content), with lengths that differ
+from prompt to prompt: so one process and two must compute the same update, and only a loss that
+normalises over all ranks' tokens does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from helpers import ROOT
+from lightning_vlm.generation.base import Rollouts, SamplingSettings
+
+
+def row_digest(row: dict) -> str:
+    """A digest of a row's text and image pixels (identifies the row across processes)."""
+    h = hashlib.sha256(json.dumps({k: v for k, v in row.items() if k != "images"}, sort_keys=True,
+                                  default=str).encode())  # fmt: skip
+    for image in row.get("images", []):
+        h.update(image.tobytes())
+    return h.hexdigest()[:16]
+
+
+class KeyedGenerator:
+    """Completions that depend only on the prompt row: 1-``max_new_tokens`` ordinary tokens, most ending
+    at the end-of-turn token."""
+
+    is_policy = True
+
+    def __init__(self, vlm, max_new_tokens: int) -> None:
+        self.vlm = vlm
+        self.max_new_tokens = max_new_tokens
+        banned = {*vlm.suppressed_token_ids, vlm.end_of_turn_id, vlm.pad_token_id, vlm.tokenizer.eos_token_id}
+        self.pool = [t for t in range(3, 200) if t not in banned]
+
+    def generate(self, rows: list[dict], num_generations: int, sampling: SamplingSettings) -> Rollouts:
+        ids, truncated = [], []
+        for row in rows:
+            rng = random.Random(row_digest(row))
+            for _ in range(num_generations):
+                n = rng.randint(1, self.max_new_tokens)
+                tokens = [rng.choice(self.pool) for _ in range(n)]
+                cut = n == self.max_new_tokens and rng.random() < 0.5
+                if not cut:
+                    tokens[-1] = self.vlm.end_of_turn_id
+                ids.append(tokens)
+                truncated.append(cut)
+        texts = self.vlm.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        return Rollouts(list(rows), ids, texts, truncated, num_generations)
+
+    def sync_weights(self) -> float:
+        return 0.0
+
+
+class KeyedRollouts(L.Callback):
+    """Replaces an online method's generator with :class:`KeyedGenerator` at setup."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        pl_module.generator = KeyedGenerator(pl_module.vlm, pl_module.sampling.max_new_tokens)
+
+
+class RecordRows(L.Callback):
+    """Writes ``<dirpath>/rows-rank<r>.json``: the digests of the rows each training batch held."""
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = Path(dirpath)
+        self.seen: list[str] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.seen += [row_digest(row) for row in batch]
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self.dirpath.mkdir(parents=True, exist_ok=True)
+        (self.dirpath / f"rows-rank{trainer.global_rank}.json").write_text(json.dumps(self.seen))
+
+
+class SaveWeights(L.Callback):
+    """Rank 0 writes the trained parameters to ``path`` at the end of fit (compared across runs)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            torch.save({n: p.detach().cpu().clone() for n, p in pl_module.vlm.named_parameters()}, self.path)
+
+
+def write_variable_length_data(dirpath: Path, n: int = 32) -> Path:
+    """SFT and preference JSONL files (images as PNG files) whose answers have 1-5 words."""
+    from lightning_vlm.data.synthetic import make_sample
+
+    dirpath.mkdir(parents=True, exist_ok=True)
+    words = ["it", "is", "surely", "very"]
+    sft, preference = [], []
+    for i in range(n):
+        sample = make_sample(0, i)
+        sample.image.save(dirpath / f"{i}.png")
+        answer = " ".join([*words[: i % 5], sample.answer])
+        wrong = " ".join([*words[: (i // 5) % 5], sample.wrong_answer])
+        user = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": sample.question}]}]
+
+        def said(text: str) -> list[dict]:
+            return [{"role": "assistant", "content": [{"type": "text", "text": text}]}]
+
+        sft.append({"messages": user + said(answer), "images": [f"{i}.png"]})
+        preference.append(
+            {"prompt": user, "chosen": said(answer), "rejected": said(wrong), "images": [f"{i}.png"]}
+        )
+    for name, rows in (("sft", sft), ("preference", preference)):
+        (dirpath / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return dirpath
+
+
+def torchrun(
+    script: Path, args: list[str], nproc: int = 2, timeout: float = 1200
+) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node=N script args`` with one torch thread per process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
+           "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(script), *args]  # fmt: skip
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+# ---- the equivalence scenarios: one process with batch 4 vs two with batch 2 -----------------------------
+# SGD: the update is linear in the gradient, so equal weights mean equal gradients (AdamW's
+# normalisation would magnify float noise on parameters whose gradient is ~0).
+COMMON = [
+    "logger=none", "callbacks=none", "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
+    "data.synthetic.num_train=32", "method.optimizer._target_=torch.optim.SGD", "method.optimizer.lr=0.5",
+    "trainer.max_steps=3",
+]  # fmt: skip
+ONLINE = [
+    "+callbacks.keyed._target_=ddp_helpers.KeyedRollouts", "method.reward_funcs=[online_helpers.token_reward_fn]",
+    "method.num_generations=4", "method.max_completion_length=4", "method.micro_batch_size=2",
+]  # fmt: skip
+# Answers of 1 to 5 words: token counts differ between ranks, so only a loss normalised over all
+# ranks' tokens matches the one-process run (see write_variable_length_data).
+EQUIVALENCE: dict[str, list[str]] = {
+    "sft": ["method=sft", "data.train=${oc.env:DDP_TEST_DATA}/sft.jsonl"],
+    "dpo": ["method=dpo", "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl"],
+    "mpo": ["method=mpo", "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl"],
+    "grpo_dapo": ["method=grpo", *ONLINE, "method.loss_type=dapo"],
+    # two optimizer steps per generation (old log-probs, clipping) and a KL to the reference
+    "grpo_grpo": [
+        "method=grpo",
+        *ONLINE,
+        "method.loss_type=grpo",
+        "method.beta=0.04",
+        "method.steps_per_generation=2",
+        "trainer.max_steps=4",
+    ],  # fmt: skip
+    "grpo_dr_grpo": ["method=grpo", *ONLINE, "method.loss_type=dr_grpo", "method.scale_rewards=batch"],
+    "rloo": ["method=rloo", *ONLINE, "method.normalize_advantages=true"],
+    "online_dpo": ["method=online_dpo", *ONLINE, "method.num_generations=2"],
+}
+ONE_PROCESS = ["data.batch_size=4"]
+TWO_PROCESSES = ["data.batch_size=2", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]

@@ -1,0 +1,118 @@
+"""Two processes (Lightning DDP, gloo, 1 torch thread each) compute what one process computes.
+
+One torchrun launch runs every two-process scenario (``_ddp_scenarios.py``); each test compares
+its result with a one-process run made here:
+- world 2 × batch 2 and world 1 × batch 4 give the same weights after 3 optimizer steps, for every
+  method (the online ones on rollouts that depend only on the prompt, so both see the same samples);
+- each rank trains on a disjoint half of the epoch's rows, together the one-process rows, also
+  across a mid-epoch resume, which continues bitwise exactly;
+- a two-process checkpoint resumed on one process continues the epoch, with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from ddp_helpers import COMMON, EQUIVALENCE, ONE_PROCESS, torchrun, write_variable_length_data
+
+from helpers import ROOT, compose_train
+from lightning_vlm.training import train
+
+pytestmark = [pytest.mark.slow, pytest.mark.ddp]
+SCRIPT = ROOT / "tests" / "_ddp_scenarios.py"
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory, monkeypatch_module):
+    path = write_variable_length_data(tmp_path_factory.mktemp("ddp_data"))
+    monkeypatch_module.setenv("DDP_TEST_DATA", str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+@pytest.fixture(scope="module")
+def two_processes(tiny_path, data_dir, tmp_path_factory):
+    """Runs every two-process scenario in one torchrun launch (~1 min); returns its output folder."""
+    tiny_path()  # built here, so the processes only read the cache
+    out = tmp_path_factory.mktemp("ddp")
+    proc = torchrun(SCRIPT, [str(out), *[f"equivalence:{n}" for n in EQUIVALENCE], "rows"])
+    errors = {p.name: p.read_text() for p in out.glob("*.error")}
+    if proc.returncode != 0 or errors:
+        pytest.fail(f"torchrun failed (rc {proc.returncode}): {errors or proc.stderr[-5000:]}")
+    return out
+
+
+def _one_process(name: str, tmp_path) -> dict[str, torch.Tensor]:
+    path = tmp_path / f"{name}.pt"
+    overrides = [*COMMON, *EQUIVALENCE[name], *ONE_PROCESS]
+    train(compose_train([*overrides, "+callbacks.save._target_=ddp_helpers.SaveWeights",
+                         f"+callbacks.save.path={path}"], tmp_path))  # fmt: skip
+    return torch.load(path, weights_only=True)
+
+
+@pytest.mark.parametrize("name", list(EQUIVALENCE))
+def test_two_processes_update_like_one(name, two_processes, tiny_path, tmp_path):
+    one = _one_process(name, tmp_path)
+    two = torch.load(two_processes / f"{name}.pt", weights_only=True)
+    from lightning_vlm.models.vlm import VLM
+
+    start = dict(VLM(tiny_path(), freeze_vision_tower=False).named_parameters())
+    moved = max((one[k] - start[k].detach()).abs().max().item() for k in one)
+    assert moved > 1e-2, f"{name}: the weights hardly moved ({moved:.2e}); the comparison would be vacuous"
+    for key, value in one.items():
+        torch.testing.assert_close(two[key], value, atol=1e-5, rtol=0, msg=f"{name}: {key}")
+
+
+def _rows(folder) -> list[list[str]]:
+    return [json.loads((folder / f"rows-rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_ranks_train_on_disjoint_halves_of_the_one_process_epoch(two_processes, tmp_path):
+    record = ["+callbacks.rows._target_=ddp_helpers.RecordRows", f"+callbacks.rows.dirpath={tmp_path}"]
+    overrides = ["method=sft", "logger=none", "callbacks=none", "trainer.limit_val_batches=0",
+                 "trainer.enable_progress_bar=false", "data.synthetic.num_train=24", "data.batch_size=4",
+                 "trainer.max_steps=6", *record]  # fmt: skip
+    train(compose_train(overrides, tmp_path))
+    one = json.loads((tmp_path / "rows-rank0.json").read_text())
+    assert len(set(one)) == 24, "the 24 rows must be distinguishable for this test to mean anything"
+    whole = _rows(two_processes / "rows_whole")
+    assert not set(whole[0]) & set(whole[1])
+    assert sorted(whole[0] + whole[1]) == sorted(one)
+    # Global batch k is the one-process batch k: rank 0 and rank 1 split it.
+    for k in range(6):
+        assert sorted(whole[0][2 * k : 2 * k + 2] + whole[1][2 * k : 2 * k + 2]) == sorted(
+            one[4 * k : 4 * k + 4]
+        )
+    # Stopped after 3 of the epoch's 6 steps and resumed: each rank continues its own shard exactly.
+    first, second = _rows(two_processes / "rows_first"), _rows(two_processes / "rows_second")
+    assert [f + s for f, s in zip(first, second, strict=True)] == whole
+
+
+def test_a_resumed_two_process_run_matches_the_uninterrupted_one_bitwise(two_processes):
+    whole = torch.load(two_processes / "rows_whole.pt", weights_only=True)
+    resumed = torch.load(two_processes / "rows_resumed.pt", weights_only=True)
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+def test_resuming_on_another_world_size_continues_the_epoch_with_a_warning(two_processes, tmp_path, caplog):
+    record = ["+callbacks.rows._target_=ddp_helpers.RecordRows", f"+callbacks.rows.dirpath={tmp_path}"]
+    overrides = ["method=sft", "logger=none", "callbacks=none", "trainer.limit_val_batches=0",
+                 "trainer.enable_progress_bar=false", "data.synthetic.num_train=24", "data.batch_size=4",
+                 "trainer.max_steps=6", f"ckpt_path={two_processes / 'rows_ckpt' / 'mid.ckpt'}", *record]  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        train(compose_train(overrides, tmp_path))
+    assert any("written by 2 processes on 1" in r.getMessage() for r in caplog.records)
+    seen_before = _rows(two_processes / "rows_first")
+    after = json.loads((tmp_path / "rows-rank0.json").read_text())
+    whole = _rows(two_processes / "rows_whole")
+    # The 12 rows of steps 4-6 (3 batches of 4 on one process): the rest of the epoch, nothing twice.
+    assert len(after) == 12
+    assert sorted(seen_before[0] + seen_before[1] + after) == sorted(whole[0] + whole[1])
