@@ -3,7 +3,7 @@
     python -m lightning_vlm.serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--max-model-len 1024] ...
 
 Endpoints (JSON): ``GET /health``; ``POST /generate`` {prompts: [templated text] | messages: [[...]],
-images: [[base64 PNG]], sampling: {SamplingParams kwargs}} -> {completion_ids, logprobs,
+images: [[base64 PNG]], sampling: {SamplingParams kwargs}, seeds: [one per prompt, optional]} -> {completion_ids, logprobs,
 finish_reasons}; ``POST /update_weights`` {path: folder of safetensors} or a raw safetensors body
 (``application/octet-stream``) -> {seconds, weight_version}; ``POST /sleep``, ``POST /wake_up``
 (GPU). GPU fast path, UNTESTED here (no GPU, no NCCL on CPU): ``POST /init_weight_transfer``
@@ -114,8 +114,18 @@ class Engine:
         for i, text in enumerate(texts):
             pil = [decode_image(x, self.args.max_image_pixels) for x in (images[i] if images else [])]
             requests.append({"prompt": text, "multi_modal_data": {"image": pil}} if pil else {"prompt": text})
+        seeds = body.get("seeds")
+        if seeds is not None and (
+            not isinstance(seeds, list) or len(seeds) != len(texts)
+            or not all(s is None or (isinstance(s, int) and not isinstance(s, bool)) for s in seeds)
+        ):  # fmt: skip
+            raise BadRequest(f"'seeds' must be a list of {len(texts)} integers or nulls, one per prompt")
         try:
-            params = SamplingParams(**sampling)
+            params = (
+                SamplingParams(**sampling)
+                if seeds is None
+                else [SamplingParams(**{**sampling, "seed": seed}) for seed in seeds]
+            )
         except Exception as exc:
             raise BadRequest(f"bad sampling parameters: {exc}") from exc
         with self.lock:

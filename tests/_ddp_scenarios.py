@@ -3,7 +3,9 @@
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/_ddp_scenarios.py OUT NAME...
 
 ``equivalence:<name>`` trains ``ddp_helpers.EQUIVALENCE[name]`` and writes ``OUT/<name>.pt``;
-``rows`` records each rank's rows over one epoch, and over an interrupted and resumed epoch.
+``rows`` records each rank's rows over one epoch, and over an interrupted and resumed epoch;
+``learn:<generation>:<warm start>`` runs GRPO from the warm start and writes the reward before and
+after; ``server:<warm start>`` runs a few steps against one vLLM server (parity after each push).
 A failing scenario is written to ``OUT/<name>.error`` (rank 0) and the next one still runs.
 """
 
@@ -18,7 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from ddp_helpers import COMMON, EQUIVALENCE, TWO_PROCESSES  # noqa: E402
+from ddp_helpers import COMMON, EQUIVALENCE, TWO_PROCESSES, learning_overrides  # noqa: E402
 
 from helpers import compose_train  # noqa: E402
 from lightning_vlm.training import train  # noqa: E402
@@ -52,6 +54,25 @@ def rows(out: Path) -> None:
     train(compose_train(second, out / "rows_second"))
 
 
+def learn(generation: str, warm: str, out: Path) -> None:
+    """GRPO from the warm start on 2 processes; rank 0 writes the sampled accuracy reward before and after."""
+    folder = out / f"learn_{generation}"
+    metrics, objects = train(compose_train(learning_overrides(warm, generation, folder), folder))
+    if objects["trainer"].is_global_zero:
+        key = "val/rewards/accuracy_reward"
+        result = {"before": objects["initial_metrics"][key], "after": metrics[key]}
+        (folder / "result.json").write_text(__import__("json").dumps(result))
+
+
+def server(warm: str, out: Path) -> None:
+    """A few GRPO steps of 2 processes against one server that rank 0 starts; parity after each push."""
+    folder = out / "server"
+    overrides = [*learning_overrides(warm, "vllm_server", folder), "callbacks.vllm_generation.start_server=true",
+                 "trainer.limit_train_batches=4", "trainer.val_check_interval=4", "validate_before_fit=false",
+                 "callbacks.parity.every=1"]  # fmt: skip
+    train(compose_train(overrides, folder))
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
@@ -62,11 +83,16 @@ def main() -> None:
                 equivalence(name.split(":", 1)[1], out)
             elif name == "rows":
                 rows(out)
+            elif name.startswith("learn:"):
+                _, generation, warm = name.split(":", 2)
+                learn(generation, warm, out)
+            elif name.startswith("server:"):
+                server(name.split(":", 1)[1], out)
             else:
                 raise ValueError(f"unknown scenario {name!r}")
         except Exception:
             if rank == 0:
-                (out / f"{name.replace(':', '_')}.error").write_text(traceback.format_exc())
+                (out / f"{'_'.join(name.split(':')[:2])}.error").write_text(traceback.format_exc())
             raise
     torch.distributed.barrier() if torch.distributed.is_initialized() else None
 

@@ -168,3 +168,45 @@ EQUIVALENCE: dict[str, list[str]] = {
 }
 ONE_PROCESS = ["data.batch_size=4"]
 TWO_PROCESSES = ["data.batch_size=2", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
+
+
+class ParityProbe(L.Callback):
+    """After every weight sync, the vLLM engine's greedy completions of this rank's batch against HF
+    generate's on the trainer's weights; writes ``<dirpath>/parity-rank<r>.json`` at the end of fit."""
+
+    def __init__(self, dirpath: str, every: int = 1, max_new_tokens: int = 8) -> None:
+        self.dirpath, self.every, self.max_new_tokens = Path(dirpath), every, max_new_tokens
+        self.results: list[dict] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # Runs after VLLMGeneration's hook (callbacks run in order): the engine holds this step's weights.
+        if trainer.global_step % self.every:
+            return
+        from lightning_vlm.generation.hf import HFGenerator
+
+        greedy = SamplingSettings(max_new_tokens=self.max_new_tokens, temperature=0.0, do_sample=False)
+        engine = pl_module.generator.generate(batch, 1, greedy)
+        hf = HFGenerator(pl_module.vlm).generate(batch, 1, greedy)
+        self.results.append({"step": trainer.global_step, "vllm": engine.completion_ids, "hf": hf.completion_ids,
+                             "weight_version": engine.extras.get("weight_version")})  # fmt: skip
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self.dirpath.mkdir(parents=True, exist_ok=True)
+        (self.dirpath / f"parity-rank{trainer.global_rank}.json").write_text(json.dumps(self.results))
+
+
+# ---- learning on two processes: GRPO from the SFT warm start, as tests/test_online_learns.py ------------
+LEARN_BATCHES = int(__import__("os").environ.get("LEARN_BATCHES", "300"))
+
+
+def learning_overrides(warm: str, generation: str, out: Path) -> list[str]:
+    """GRPO from ``warm`` on 2 processes × 2 prompts (the one-process default of 4 per step), validated
+    before and after on the 64 held-out prompts (32 per rank)."""
+    return [
+        "method=grpo", f"generation={generation}", f"model.model_name_or_path={warm}", "logger=csv",
+        "callbacks=none", "validate_before_fit=true", "trainer.max_steps=-1", "trainer.max_epochs=1",
+        f"trainer.limit_train_batches={LEARN_BATCHES}", f"trainer.val_check_interval={LEARN_BATCHES}",
+        "trainer.enable_progress_bar=false", *TWO_PROCESSES,
+        "+callbacks.parity._target_=ddp_helpers.ParityProbe", f"+callbacks.parity.dirpath={out}",
+        "+callbacks.parity.every=50",
+    ]  # fmt: skip

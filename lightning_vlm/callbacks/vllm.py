@@ -5,6 +5,11 @@ the same loss; only ``pl_module.generator`` is replaced, and since vLLM holds a 
 the rollouts are flagged ``is_policy=False`` so the method applies the importance-sampling correction
 with vLLM's log-probs. The weights are pushed before each generation whenever they changed, i.e.
 whenever ``trainer.global_step`` moved (every optimizer step moves it, manual optimisation included).
+
+On several training processes: colocated, every rank builds its own engine (seeded ``seed + rank``),
+samples its own prompts and syncs it from its own weights (identical on every rank after a DDP
+step). Server: one server for all ranks; every rank sends its own prompts, rank 0 alone starts it
+(``start_server``) and pushes the weights, once per optimizer step, while the others wait for it.
 """
 
 from __future__ import annotations
@@ -93,22 +98,30 @@ class VLLMGeneration(L.Callback):
                 f"VLLMGeneration needs a module with `vlm` and a replaceable `generator` (an online "
                 f"method); {type(pl_module).__name__} has not"
             )
-        if trainer.world_size > 1:
-            # One engine per rank with every rank syncing is wasteful and untested: refuse clearly.
-            raise NotImplementedError("VLLMGeneration supports one training process (world_size 1) for now")
+        if (
+            self.mode == "colocate"
+            and trainer.world_size > 1
+            and self.engine_options["tensor_parallel_size"] > 1
+        ):
+            raise NotImplementedError(
+                "tensor_parallel_size > 1 with several training processes is not supported: each rank runs its "
+                "own engine (tensor_parallel_size=1), or use generation=vllm_server with a tensor-parallel server"
+            )
         start = time.perf_counter()
-        self.generator = self._build(pl_module.vlm)
+        self.generator = self._build(trainer, pl_module.vlm)
         if self.mode == "colocate" and self.engine_options["model_impl"] == "transformers":
             self._shield(pl_module)
         self._previous, pl_module.generator = pl_module.generator, self.generator
         self._synced_step = None
         log.info("vLLM %s generator ready in %.1f s", self.mode, time.perf_counter() - start)
 
-    def _build(self, vlm: Any) -> Any:
+    def _build(self, trainer: L.Trainer, vlm: Any) -> Any:
         if self.mode == "colocate":
             from lightning_vlm.generation.vllm_colocate import VLLMColocateGenerator
 
-            return VLLMColocateGenerator(vlm, **self.engine_options)
+            # One engine per rank; different seeds, so the ranks' unseeded draws are independent.
+            options = {**self.engine_options, "seed": self.engine_options["seed"] + trainer.global_rank}
+            return VLLMColocateGenerator(vlm, **options)
         from lightning_vlm.generation.vllm_server_client import (
             VLLMServerClient,
             VLLMServerGenerator,
@@ -116,9 +129,12 @@ class VLLMGeneration(L.Callback):
         )
 
         if self.start_server:
-            self._server_process, self.server["url"] = start_server(
-                vlm.model_name_or_path, args=self._server_cli_args()
-            )
+            url = None
+            if trainer.is_global_zero:
+                # Loopback: the other ranks of this machine reach it; several machines need a server
+                # started by hand on an address they all reach (server_url).
+                self._server_process, url = start_server(vlm.model_name_or_path, args=self._server_cli_args())
+            self.server["url"] = trainer.strategy.broadcast(url)
         client = VLLMServerClient(**self.server)
         try:
             client.wait_until_ready(self.wait_for_server)
@@ -183,8 +199,14 @@ class VLLMGeneration(L.Callback):
         # policy may come from a resumed Lightning checkpoint or carry adapters.
         if self.generator is None or trainer.global_step == self._synced_step:
             return None
-        seconds = self.generator.sync_weights()
         self._synced_step = trainer.global_step
+        if self.mode == "colocate":
+            seconds = self.generator.sync_weights()
+        else:
+            # One push per optimizer step, by rank 0 (every rank holds the same weights after the
+            # step); the others wait so that nobody samples from the weights of the step before.
+            seconds = self.generator.sync_weights() if trainer.is_global_zero else 0.0
+            trainer.strategy.barrier("vllm_server_weight_sync")
         self.sync_seconds.append(seconds)
         return seconds
 

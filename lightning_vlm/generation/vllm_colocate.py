@@ -12,8 +12,18 @@ from pathlib import Path
 from typing import Any
 
 from lightning_vlm.generation.base import Rollouts, SamplingSettings
-from lightning_vlm.generation.vllm_engine import has_cuda, make_vllm_engine, vllm_inputs
-from lightning_vlm.generation.vllm_sampling import build_rollouts, completions_of, sampling_kwargs
+from lightning_vlm.generation.vllm_engine import (
+    has_cuda,
+    keep_training_process_group,
+    make_vllm_engine,
+    vllm_inputs,
+)
+from lightning_vlm.generation.vllm_sampling import (
+    build_rollouts,
+    completions_of,
+    request_seeds,
+    sampling_kwargs,
+)
 from lightning_vlm.generation.weight_sync import reset_vllm_caches, sync_colocated
 
 log = logging.getLogger(__name__)
@@ -135,8 +145,13 @@ class VLLMColocateGenerator:
             **engine_kwargs,
         )
         self.asleep = False
+        self.seed: int | None = None
         if model_impl == "transformers":
             shield_from_vllm_compile(vlm.model)
+
+    def set_seed(self, seed: int | None) -> None:
+        """Seed the following generations (one vLLM seed per prompt, ``request_seeds``); None: unseeded."""
+        self.seed = seed
 
     # ---- generation ------------------------------------------------------------------------------
     def generate(self, rows: list[dict], num_generations: int, sampling: SamplingSettings) -> Rollouts:
@@ -145,9 +160,14 @@ class VLLMColocateGenerator:
 
         self.wake_up()
         vlm = self.vlm
-        params = SamplingParams(
-            **sampling_kwargs(sampling, num_generations, vlm.end_of_turn_id, vlm.suppressed_token_ids)
-        )
+        params = [
+            SamplingParams(
+                **sampling_kwargs(
+                    sampling, num_generations, vlm.end_of_turn_id, vlm.suppressed_token_ids, seed
+                )
+            )
+            for seed in request_seeds(self.seed, len(rows), num_generations)
+        ]
         # Templated text with one placeholder per image + PIL images: vLLM expands them itself.
         requests = [vllm_inputs(vlm.processor, r["prompt"], r.get("images", [])) for r in rows]
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._adapter)
@@ -196,13 +216,16 @@ class VLLMColocateGenerator:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is None:
             return
-        engine = getattr(llm, "llm_engine", None)
-        shutdown = getattr(engine, "shutdown", None)
-        if callable(shutdown):
-            shutdown()
-        del llm, engine
+        # The engine shuts down when its last reference goes (a weakref finalizer), hence the del and
+        # the collection inside the context.
+        with keep_training_process_group():
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(engine, "shutdown", None)
+            if callable(shutdown):
+                shutdown()
+            del llm, engine
+            gc.collect()
         self._adapter_dir.cleanup()
-        gc.collect()
         if self.on_gpu:
             import torch
 

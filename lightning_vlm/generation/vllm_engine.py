@@ -5,7 +5,9 @@ vLLM is imported inside the functions so that ``import lightning_vlm`` works wit
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -76,6 +78,33 @@ def make_vllm_engine(
     from vllm import LLM
 
     return LLM(**kwargs)
+
+
+@contextlib.contextmanager
+def keep_training_process_group() -> Iterator[None]:
+    """Shut an in-process engine down without destroying the training job's process group.
+
+    An in-process engine joins an existing ``torch.distributed`` world (one engine per DDP rank,
+    each its own tensor-parallel group) and, at shutdown, destroys its groups *and the default
+    one*: Lightning's DDP would lose its process group (the next fit or validate then hangs or
+    fails to reconnect). Inside this context only non-default groups are destroyed.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        yield
+        return
+    destroy = dist.destroy_process_group
+
+    def destroy_all_but_default(group=None):
+        if group is not None and group is not dist.GroupMember.WORLD:
+            destroy(group)
+
+    dist.destroy_process_group = destroy_all_but_default
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = destroy
 
 
 def vllm_inputs(processor: Any, messages: list[dict], images: list[Image.Image]) -> dict:

@@ -57,6 +57,19 @@ def sampling_kwargs(
     return kwargs
 
 
+def request_seeds(seed: int | None, num_prompts: int, n: int) -> list[int | None]:
+    """One vLLM seed per prompt from a generation's seed (None: unseeded).
+
+    vLLM seeds a prompt's ``n`` completions ``s, s+1, ..., s+n-1``; prompt ``i`` gets
+    ``s = base + i·n``, so no two completions of a generation share a stream, and the same seed
+    (a resumed step, a validation pass) redraws the same completions.
+    """
+    if seed is None:
+        return [None] * num_prompts
+    base = seed * 1_000_003
+    return [(base + i * n) % 2**63 for i in range(num_prompts)]
+
+
 def completions_of(request_outputs: list[Any]) -> tuple[list[list[int]], list[list[float]]]:
     """Token ids and chosen-token log-probs of every completion, prompt by prompt (G consecutive)."""
     ids: list[list[int]] = []

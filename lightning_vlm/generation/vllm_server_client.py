@@ -14,7 +14,7 @@ import requests
 
 from lightning_vlm.generation.base import Rollouts, SamplingSettings
 from lightning_vlm.generation.vllm_engine import vllm_inputs
-from lightning_vlm.generation.vllm_sampling import build_rollouts, sampling_kwargs
+from lightning_vlm.generation.vllm_sampling import build_rollouts, request_seeds, sampling_kwargs
 from lightning_vlm.generation.weight_sync import policy_weights, weights_to_bytes, write_weights
 
 log = logging.getLogger(__name__)
@@ -92,11 +92,20 @@ class VLLMServerClient:
                 raise VLLMServerError(f"vLLM server at {self.url} not ready within {timeout:g} s")
             time.sleep(poll)
 
-    def generate(self, prompts: list[str], images: list[list[str]], sampling: dict) -> dict:
-        """Completions for templated prompts with base64 images; G = ``sampling["n"]`` per prompt."""
-        return self.request(
-            "POST", "/generate", json={"prompts": prompts, "images": images, "sampling": sampling}
-        )
+    def generate(
+        self,
+        prompts: list[str],
+        images: list[list[str]],
+        sampling: dict,
+        seeds: list[int | None] | None = None,
+    ) -> dict:
+        """Completions for templated prompts with base64 images; G = ``sampling["n"]`` per prompt.
+
+        ``seeds``: one vLLM seed per prompt (overrides ``sampling["seed"]``)."""
+        body = {"prompts": prompts, "images": images, "sampling": sampling}
+        if seeds is not None:
+            body["seeds"] = seeds
+        return self.request("POST", "/generate", json=body)
 
     def update_weights_from_path(self, path: str | Path) -> dict:
         """Reload from a folder of safetensors that the server can read (shared filesystem)."""
@@ -146,6 +155,11 @@ class VLLMServerGenerator:
         self.transfer = transfer
         self._tmp = None if sync_dir else tempfile.TemporaryDirectory(prefix="lightning-vlm-sync-")
         self.sync_dir = Path(sync_dir or self._tmp.name)
+        self.seed: int | None = None
+
+    def set_seed(self, seed: int | None) -> None:
+        """Seed the following generations (one vLLM seed per prompt, ``request_seeds``); None: unseeded."""
+        self.seed = seed
 
     def generate(self, rows: list[dict], num_generations: int, sampling: SamplingSettings) -> Rollouts:
         """``num_generations`` completions per row (consecutive), cut after the end-of-turn token."""
@@ -153,11 +167,15 @@ class VLLMServerGenerator:
         prompts = [vllm_inputs(vlm.processor, r["prompt"], [])["prompt"] for r in rows]
         images = [[encode_image(im) for im in r.get("images", [])] for r in rows]
         params = sampling_kwargs(sampling, num_generations, vlm.end_of_turn_id, vlm.suppressed_token_ids)
-        out = self.client.generate(prompts, images, params)
-        return build_rollouts(
+        seeds = request_seeds(self.seed, len(rows), num_generations) if self.seed is not None else None
+        out = self.client.generate(prompts, images, params, seeds)
+        rollouts = build_rollouts(
             rows, num_generations, out["completion_ids"], out["logprobs"], vlm.end_of_turn_id,
             vlm.tokenizer, "vllm_server",
         )  # fmt: skip
+        # How many weight pushes the server had taken when it sampled these (staleness checks).
+        rollouts.extras["weight_version"] = out.get("weight_version")
+        return rollouts
 
     def sync_weights(self) -> float:
         """Push the policy (LoRA merged) to the server; seconds taken, transfer included."""

