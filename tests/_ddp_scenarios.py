@@ -2,7 +2,8 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/_ddp_scenarios.py OUT NAME...
 
-``equivalence:<name>`` trains ``ddp_helpers.EQUIVALENCE[name]`` and writes ``OUT/<name>.pt``;
+``equivalence:<name>`` trains ``ddp_helpers.EQUIVALENCE[name]`` and writes ``OUT/<name>.pt``
+(``fsdp:<name>``: the same under FSDP, ``OUT/fsdp_<name>.pt``);
 ``rows`` records each rank's rows over one epoch, and over an interrupted and resumed epoch;
 ``learn:<generation>:<warm start>`` runs GRPO from the warm start and writes the reward before and
 after; ``server:<warm start>`` runs a few steps against one vLLM server (parity after each push).
@@ -11,6 +12,7 @@ A failing scenario is written to ``OUT/<name>.error`` (rank 0) and the next one 
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -20,7 +22,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from ddp_helpers import COMMON, EQUIVALENCE, TWO_PROCESSES, learning_overrides  # noqa: E402
+from ddp_helpers import (  # noqa: E402
+    COMMON,
+    EQUIVALENCE,
+    TWO_PROCESSES,
+    TWO_PROCESSES_FSDP,
+    learning_overrides,
+)
 
 from helpers import compose_train  # noqa: E402
 from lightning_vlm.training import train  # noqa: E402
@@ -31,10 +39,12 @@ ROWS = [
 ]  # fmt: skip
 
 
-def equivalence(name: str, out: Path) -> None:
-    overrides = [*COMMON, *EQUIVALENCE[name], *TWO_PROCESSES]
-    overrides += ["+callbacks.save._target_=ddp_helpers.SaveWeights", f"+callbacks.save.path={out / name}.pt"]
-    train(compose_train(overrides, out / name))
+def equivalence(name: str, out: Path, strategy: str = "ddp") -> None:
+    world = TWO_PROCESSES if strategy == "ddp" else TWO_PROCESSES_FSDP
+    tag = name if strategy == "ddp" else f"{strategy}_{name}"
+    overrides = [*COMMON, *EQUIVALENCE[name], *world]
+    overrides += ["+callbacks.save._target_=ddp_helpers.SaveWeights", f"+callbacks.save.path={out / tag}.pt"]
+    train(compose_train(overrides, out / tag))
 
 
 def rows(out: Path) -> None:
@@ -73,19 +83,45 @@ def server(warm: str, out: Path) -> None:
     train(compose_train(overrides, folder))
 
 
+def fsdp_vllm(mode: str, out: Path) -> None:
+    """GRPO under FSDP with vLLM (colocated full or adapter sync, or a server): parity after each sync,
+    and the units the sync gathers one at a time."""
+    folder = out / f"fsdp_vllm_{mode}"
+    generation = "vllm_server" if mode == "server" else "vllm_colocate"
+    overrides = [
+        "method=grpo", f"generation={generation}", "logger=none", "callbacks=none", "trainer.max_steps=4",
+        "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false", "method.num_generations=4",
+        *TWO_PROCESSES_FSDP, "+callbacks.parity._target_=ddp_helpers.ParityProbe", f"+callbacks.parity.dirpath={folder}",
+        "+callbacks.chunks._target_=ddp_helpers.UnitChunks", f"+callbacks.chunks.dirpath={folder}",
+    ]  # fmt: skip
+    if mode == "adapter":
+        overrides += [
+            "lora=default",
+            "model.lora.modules_to_save=null",
+            "callbacks.vllm_generation.weight_sync=adapter",
+        ]
+    if mode == "server":
+        overrides += ["callbacks.vllm_generation.start_server=true"]
+    train(compose_train(overrides, folder))
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    rank = int(__import__("os").environ.get("RANK", "0"))
+    rank = int(os.environ.get("RANK", "0"))
     for name in sys.argv[2:]:
         try:
             if name.startswith("equivalence:"):
                 equivalence(name.split(":", 1)[1], out)
+            elif name.startswith("fsdp:"):
+                equivalence(name.split(":", 1)[1], out, strategy="fsdp")
             elif name == "rows":
                 rows(out)
             elif name.startswith("learn:"):
                 _, generation, warm = name.split(":", 2)
                 learn(generation, warm, out)
+            elif name.startswith("fsdp_vllm:"):
+                fsdp_vllm(name.split(":", 1)[1], out)
             elif name.startswith("server:"):
                 server(name.split(":", 1)[1], out)
             else:

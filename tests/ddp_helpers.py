@@ -32,6 +32,18 @@ def row_digest(row: dict) -> str:
     return h.hexdigest()[:16]
 
 
+def full_weights(trainer: L.Trainer):
+    """Under FSDP every rank holds a shard: a context with the full weights gathered (a collective)."""
+    import contextlib
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    root = trainer.strategy.model
+    return (
+        FSDP.summon_full_params(root, writeback=False) if isinstance(root, FSDP) else contextlib.nullcontext()
+    )
+
+
 class KeyedGenerator:
     """Completions that depend only on the prompt row: 1-``max_new_tokens`` ordinary tokens, most ending
     at the end-of-turn token."""
@@ -92,9 +104,12 @@ class SaveWeights(L.Callback):
         self.path = path
 
     def on_fit_end(self, trainer, pl_module) -> None:
+        with full_weights(trainer):
+            weights = {n.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""):
+                       p.detach().cpu().clone() for n, p in pl_module.vlm.named_parameters()}  # fmt: skip
         if trainer.is_global_zero:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            torch.save({n: p.detach().cpu().clone() for n, p in pl_module.vlm.named_parameters()}, self.path)
+            torch.save(weights, self.path)
 
 
 def write_variable_length_data(dirpath: Path, n: int = 32) -> Path:
@@ -126,12 +141,26 @@ def write_variable_length_data(dirpath: Path, n: int = 32) -> Path:
 def torchrun(
     script: Path, args: list[str], nproc: int = 2, timeout: float = 1200
 ) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc_per_node=N script args`` with one torch thread per process."""
+    """``torchrun --standalone --nproc_per_node=N script args`` with one torch thread per process.
+
+    On timeout the whole process group is killed (torchrun's workers too, which would otherwise
+    outlive it and load the machine), and the result has return code -9.
+    """
+    import signal
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
            "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(script), *args]  # fmt: skip
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\n[torchrun killed after {timeout:g} s]"
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 # ---- the equivalence scenarios: one process with batch 4 vs two with batch 2 -----------------------------
@@ -168,6 +197,9 @@ EQUIVALENCE: dict[str, list[str]] = {
 }
 ONE_PROCESS = ["data.batch_size=4"]
 TWO_PROCESSES = ["data.batch_size=2", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
+# FSDP on CPU (gloo): the same strategy class as on GPUs, each decoder layer and vision block a unit.
+TWO_PROCESSES_FSDP = ["data.batch_size=2", "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2"]
+FSDP_EQUIVALENCE = ("sft", "dpo", "grpo_dapo", "rloo", "online_dpo")
 
 
 class ParityProbe(L.Callback):
@@ -186,13 +218,41 @@ class ParityProbe(L.Callback):
 
         greedy = SamplingSettings(max_new_tokens=self.max_new_tokens, temperature=0.0, do_sample=False)
         engine = pl_module.generator.generate(batch, 1, greedy)
-        hf = HFGenerator(pl_module.vlm).generate(batch, 1, greedy)
+        with full_weights(trainer):
+            hf = HFGenerator(pl_module.vlm).generate(batch, 1, greedy)
         self.results.append({"step": trainer.global_step, "vllm": engine.completion_ids, "hf": hf.completion_ids,
                              "weight_version": engine.extras.get("weight_version")})  # fmt: skip
 
     def on_fit_end(self, trainer, pl_module) -> None:
         self.dirpath.mkdir(parents=True, exist_ok=True)
         (self.dirpath / f"parity-rank{trainer.global_rank}.json").write_text(json.dumps(self.results))
+
+
+class UnitChunks(L.Callback):
+    """At the end of fit (FSDP): the sizes of the units ``unit_state_chunks`` gathers one by one, and
+    whether together they are exactly the full state; rank 0 writes ``<dirpath>/chunks.json``."""
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = Path(dirpath)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        from lightning_vlm.parallel.fsdp import clean_name, sharded_root, unit_state_chunks
+
+        root = sharded_root(trainer.strategy.model)
+        sizes, union = [], {}
+        for chunk in unit_state_chunks(root, pl_module.vlm.model):
+            sizes.append(sum(t.numel() for t in chunk.values()))
+            union.update(chunk)
+        with full_weights(trainer):
+            full = {clean_name(n): p.detach().clone()
+                    for n, p in pl_module.vlm.model.named_parameters(remove_duplicate=False)}  # fmt: skip
+        if trainer.is_global_zero:
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+            same = union.keys() >= full.keys() and all(torch.equal(union[k], v) for k, v in full.items())
+            total = sum(p.numel() for p in full.values())
+            (self.dirpath / "chunks.json").write_text(
+                json.dumps({"sizes": sizes, "total": total, "same": same})
+            )
 
 
 # ---- learning on two processes: GRPO from the SFT warm start, as tests/test_online_learns.py ------------

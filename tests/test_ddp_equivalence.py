@@ -3,7 +3,8 @@
 One torchrun launch runs every two-process scenario (``_ddp_scenarios.py``); each test compares
 its result with a one-process run made here:
 - world 2 × batch 2 and world 1 × batch 4 give the same weights after 3 optimizer steps, for every
-  method (the online ones on rollouts that depend only on the prompt, so both see the same samples);
+  method (the online ones on rollouts that depend only on the prompt, so both see the same samples),
+  under DDP and, for SFT, DPO, GRPO, RLOO and Online DPO, under FSDP (torch's FSDP runs on CPU);
 - each rank trains on a disjoint half of the epoch's rows, together the one-process rows, also
   across a mid-epoch resume, which continues bitwise exactly;
 - a two-process checkpoint resumed on one process continues the epoch, with a warning.
@@ -16,7 +17,14 @@ import logging
 
 import pytest
 import torch
-from ddp_helpers import COMMON, EQUIVALENCE, ONE_PROCESS, torchrun, write_variable_length_data
+from ddp_helpers import (
+    COMMON,
+    EQUIVALENCE,
+    FSDP_EQUIVALENCE,
+    ONE_PROCESS,
+    torchrun,
+    write_variable_length_data,
+)
 
 from helpers import ROOT, compose_train
 from lightning_vlm.training import train
@@ -43,7 +51,8 @@ def two_processes(tiny_path, data_dir, tmp_path_factory):
     """Runs every two-process scenario in one torchrun launch (~1 min); returns its output folder."""
     tiny_path()  # built here, so the processes only read the cache
     out = tmp_path_factory.mktemp("ddp")
-    proc = torchrun(SCRIPT, [str(out), *[f"equivalence:{n}" for n in EQUIVALENCE], "rows"])
+    scenarios = [*[f"equivalence:{n}" for n in EQUIVALENCE], *[f"fsdp:{n}" for n in FSDP_EQUIVALENCE], "rows"]
+    proc = torchrun(SCRIPT, [str(out), *scenarios], timeout=900)
     errors = {p.name: p.read_text() for p in out.glob("*.error")}
     if proc.returncode != 0 or errors:
         pytest.fail(f"torchrun failed (rc {proc.returncode}): {errors or proc.stderr[-5000:]}")
@@ -58,10 +67,12 @@ def _one_process(name: str, tmp_path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)
 
 
-@pytest.mark.parametrize("name", list(EQUIVALENCE))
-def test_two_processes_update_like_one(name, two_processes, tiny_path, tmp_path):
+@pytest.mark.parametrize(
+    ("strategy", "name"), [("ddp", n) for n in EQUIVALENCE] + [("fsdp", n) for n in FSDP_EQUIVALENCE]
+)
+def test_two_processes_update_like_one(strategy, name, two_processes, tiny_path, tmp_path):
     one = _one_process(name, tmp_path)
-    two = torch.load(two_processes / f"{name}.pt", weights_only=True)
+    two = torch.load(two_processes / f"{name if strategy == 'ddp' else 'fsdp_' + name}.pt", weights_only=True)
     from lightning_vlm.models.vlm import VLM
 
     start = dict(VLM(tiny_path(), freeze_vision_tower=False).named_parameters())

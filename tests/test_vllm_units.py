@@ -153,3 +153,21 @@ def test_adapter_sync_needs_lora_with_everything_else_frozen(tiny_path):
     next(p for n, p in vlm.model.named_parameters() if "lm_head" in n).requires_grad_(True)
     with pytest.raises(ValueError, match="lm_head.*train too"):
         adapter_engine_options(vlm)
+
+
+def test_save_adapter_writes_what_peft_writes(tiny_path, tmp_path):
+    from safetensors.torch import load_file
+
+    from lightning_vlm.generation.weight_sync import save_adapter
+    from lightning_vlm.models.vlm import VLM
+
+    vlm = VLM(tiny_path(), lora={"r": 8, "lora_alpha": 16, "init_lora_weights": False})
+    vlm.model.save_pretrained(tmp_path / "peft")
+    lora = {k: v for k, v in vlm.model.state_dict().items() if ".lora_" in k}
+    save_adapter(vlm.model, tmp_path / "ours", lora)
+    theirs = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    ours = load_file(tmp_path / "ours" / "adapter_model.safetensors")
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
+    assert (tmp_path / "ours" / "adapter_config.json").read_text() == (
+        tmp_path / "peft" / "adapter_config.json"
+    ).read_text()

@@ -20,6 +20,8 @@ from typing import Any
 
 import lightning as L
 
+from lightning_vlm.parallel.fsdp import sharded_root, unit_state_chunks
+
 log = logging.getLogger(__name__)
 MODES = ("colocate", "server")
 
@@ -194,30 +196,38 @@ class VLLMGeneration(L.Callback):
             self._server_process = None
 
     # ---- weight sync and sleep -------------------------------------------------------------------------
-    def _sync_if_changed(self, trainer: L.Trainer) -> float | None:
+    def _sync_if_changed(self, trainer: L.Trainer, pl_module: L.LightningModule) -> float | None:
         # The first generation always syncs too: the engine loaded the checkpoint from disk, while the
         # policy may come from a resumed Lightning checkpoint or carry adapters.
         if self.generator is None or trainer.global_step == self._synced_step:
             return None
         self._synced_step = trainer.global_step
+        # Under FSDP the weights are gathered one unit at a time, by every rank (a collective).
+        root = sharded_root(trainer.strategy.model)
+        chunks = None if root is None else unit_state_chunks(root, pl_module.vlm.model)
         if self.mode == "colocate":
-            seconds = self.generator.sync_weights()
+            seconds = self.generator.sync_weights(chunks)
         else:
             # One push per optimizer step, by rank 0 (every rank holds the same weights after the
             # step); the others wait so that nobody samples from the weights of the step before.
-            seconds = self.generator.sync_weights() if trainer.is_global_zero else 0.0
+            seconds = 0.0
+            if trainer.is_global_zero:
+                seconds = self.generator.sync_weights(chunks)
+            elif chunks is not None:
+                for _ in chunks:  # take part in each unit's gather
+                    pass
             trainer.strategy.barrier("vllm_server_weight_sync")
         self.sync_seconds.append(seconds)
         return seconds
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:  # fmt: skip
-        seconds = self._sync_if_changed(trainer)
+        seconds = self._sync_if_changed(trainer, pl_module)
         if seconds is not None:
             pl_module.log("train/vllm_sync_seconds", seconds, batch_size=1)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._sync_if_changed(trainer)
+        self._sync_if_changed(trainer, pl_module)
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
         # Generation is over for this step: give the engine's GPU memory to the backward pass.

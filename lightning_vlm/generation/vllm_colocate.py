@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from lightning_vlm.generation.vllm_sampling import (
     request_seeds,
     sampling_kwargs,
 )
-from lightning_vlm.generation.weight_sync import reset_vllm_caches, sync_colocated
+from lightning_vlm.generation.weight_sync import reset_vllm_caches, save_adapter, sync_colocated
 
 log = logging.getLogger(__name__)
 MODEL_IMPLS = ("auto", "vllm", "transformers")
@@ -177,20 +178,27 @@ class VLLMColocateGenerator:
         )
 
     # ---- weights and memory ------------------------------------------------------------------------
-    def sync_weights(self) -> float:
-        """Push the policy's current weights (LoRA merged) into the engine; seconds taken."""
+    def sync_weights(self, chunks: Iterable[dict[str, Any]] | None = None) -> float:
+        """Push the policy's current weights (LoRA merged) into the engine; seconds taken.
+
+        ``chunks``: the weights one FSDP unit at a time (``parallel.fsdp.unit_state_chunks``) when the
+        policy is sharded; by default its whole state dict."""
         self.wake_up()
         if self.weight_sync == "adapter":
-            return self._sync_adapter()
-        return sync_colocated(self.llm, self.vlm, in_process=self.in_process)
+            return self._sync_adapter(chunks)
+        return sync_colocated(self.llm, self.vlm, in_process=self.in_process, chunks=chunks)
 
-    def _sync_adapter(self) -> float:
+    def _sync_adapter(self, chunks: Iterable[dict[str, Any]] | None = None) -> float:
         from vllm.lora.request import LoRARequest
 
         start = time.perf_counter()
         version = (self._adapter.lora_int_id + 1) if self._adapter is not None else 1
         folder = Path(self._adapter_dir.name) / f"v{version}"
-        self.vlm.model.save_pretrained(folder)  # PEFT: adapter weights and config only
+        # Under FSDP the factors are gathered unit by unit; otherwise they are the model's own.
+        parts = [self.vlm.model.state_dict()] if chunks is None else chunks
+        save_adapter(
+            self.vlm.model, folder, {k: v for part in parts for k, v in part.items() if ".lora_" in k}
+        )
         if self._adapter is not None:
             # A new id per version: vLLM caches adapters by id.
             self.llm.llm_engine.remove_lora(self._adapter.lora_int_id)

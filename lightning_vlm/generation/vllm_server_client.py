@@ -5,8 +5,10 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import shutil
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +158,7 @@ class VLLMServerGenerator:
         self._tmp = None if sync_dir else tempfile.TemporaryDirectory(prefix="lightning-vlm-sync-")
         self.sync_dir = Path(sync_dir or self._tmp.name)
         self.seed: int | None = None
+        self._version = 0  # pushes so far (names the folder of each)
 
     def set_seed(self, seed: int | None) -> None:
         """Seed the following generations (one vLLM seed per prompt, ``request_seeds``); None: unseeded."""
@@ -177,15 +180,26 @@ class VLLMServerGenerator:
         rollouts.extras["weight_version"] = out.get("weight_version")
         return rollouts
 
-    def sync_weights(self) -> float:
-        """Push the policy (LoRA merged) to the server; seconds taken, transfer included."""
+    def sync_weights(self, chunks: Iterable[dict[str, Any]] | None = None) -> float:
+        """Push the policy (LoRA merged) to the server; seconds taken, transfer included.
+
+        ``chunks`` (FSDP units, see ``policy_weights``): with ``transfer="folder"`` each unit is written
+        to its own file as it is gathered, so the full model is never in memory at once.
+        """
         start = time.perf_counter()
-        weights = policy_weights(self.vlm)
         if self.transfer == "body":
-            self.client.update_weights_from_bytes(weights_to_bytes(weights))
-        else:
-            write_weights(weights, self.sync_dir)
-            self.client.update_weights_from_path(self.sync_dir)
+            self.client.update_weights_from_bytes(weights_to_bytes(policy_weights(self.vlm, chunks)))
+            return time.perf_counter() - start
+        # A fresh folder per push: the server reads every *.safetensors of it, none from the last push.
+        self._version += 1
+        folder = self.sync_dir / f"v{self._version}"
+        parts = (
+            [policy_weights(self.vlm)] if chunks is None else (policy_weights(self.vlm, [c]) for c in chunks)
+        )
+        for i, weights in enumerate(parts):
+            write_weights(weights, folder, name=f"model-{i:05d}.safetensors")
+        self.client.update_weights_from_path(folder)
+        shutil.rmtree(self.sync_dir / f"v{self._version - 1}", ignore_errors=True)
         return time.perf_counter() - start
 
     def sleep(self) -> None:

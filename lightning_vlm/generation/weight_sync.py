@@ -8,25 +8,30 @@ cache kills the next image request ("Encoder cache miss").
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_vlm.models.weight_names import hf_to_vllm_names
+from lightning_vlm.parallel.fsdp import clean_name
 
 log = logging.getLogger(__name__)
 _PEFT_PREFIX = "base_model.model."
 WEIGHTS_FILE = "model.safetensors"
 
 
-def _lora_merged_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``<module>.base_layer.weight`` -> base weight + the active adapters' delta, for every LoRA layer.
+def _lora_merged_weights(
+    model: torch.nn.Module, state: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``<module>.base_layer.weight`` -> base weight (from ``state``) + the active adapters' delta, for
+    every LoRA layer whose base weight is in ``state``.
 
     Computed beside the model (the training weights are never touched): merge/unmerge in place
     would leave float rounding in the base weights after each sync.
@@ -37,33 +42,43 @@ def _lora_merged_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for name, module in model.named_modules():
         if not isinstance(module, LoraLayer):
             continue
+        key = f"{clean_name(name)}.base_layer.weight"
+        if key not in state:
+            continue
         if getattr(module, "lora_magnitude_vector", None):
             raise NotImplementedError(f"DoRA layer {name!r}: weight sync supports plain LoRA only")
-        weight = module.get_base_layer().weight.detach()
+        weight = state[key].detach()
         if not module.merged and not module.disable_adapters:
             delta = sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
             weight = weight + delta if torch.is_tensor(delta) else weight
-        merged[f"{name}.base_layer.weight"] = weight
+        merged[key] = weight
     return merged
 
 
-def policy_weights(vlm: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def policy_weights(
+    vlm: Any, chunks: Iterable[dict[str, torch.Tensor]] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's full weights under the checkpoint's names, LoRA adapters merged in (not in place).
 
     Names are those ``save_pretrained`` writes (transformers 5 reverts its load-time renames, e.g.
     Qwen2.5-VL's ``model.language_model.*`` back to ``model.*``): vLLM's own model classes accept
     either form, but the transformers backend (``model_impl="transformers"``) only the checkpoint's.
+    ``chunks``: the model's state in parts, each consumed while it is the only part gathered (FSDP
+    units, ``parallel.fsdp.unit_state_chunks``); by default the whole ``state_dict()`` at once.
     """
     model = vlm.model
-    merged = _lora_merged_weights(model) if vlm.is_lora else {}
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        if ".lora_" in name or ".original_module." in name:
-            continue  # adapter factors are merged above; PEFT's untouched copy is not the policy
-        tensor = merged.get(name, tensor).detach()
-        name = name.replace(".modules_to_save.default.", ".").replace(".base_layer.", ".")
-        state[name.removeprefix(_PEFT_PREFIX)] = tensor
-    return hf_to_vllm_names(vlm.model_type, _checkpoint_names(vlm.hf_model, state).items())
+    for part in [model.state_dict()] if chunks is None else chunks:
+        # A LoRA layer's base weight and factors live in one FSDP unit, gathered while it is merged.
+        merged = _lora_merged_weights(model, part) if vlm.is_lora else {}
+        state: dict[str, torch.Tensor] = {}
+        for name, tensor in part.items():
+            if ".lora_" in name or ".original_module." in name:
+                continue  # adapter factors are merged above; PEFT's untouched copy is not the policy
+            tensor = merged.get(name, tensor).detach()
+            name = name.replace(".modules_to_save.default.", ".").replace(".base_layer.", ".")
+            state[name.removeprefix(_PEFT_PREFIX)] = tensor
+        # Renames are per tensor (checked per family: a state in parts converts as the whole does).
+        yield from hf_to_vllm_names(vlm.model_type, _checkpoint_names(vlm.hf_model, state).items())
 
 
 def _checkpoint_names(hf_model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -72,6 +87,29 @@ def _checkpoint_names(hf_model: Any, state: dict[str, torch.Tensor]) -> dict[str
     except ImportError:  # transformers < 5 keeps checkpoint names in the model
         return state
     return revert_weight_conversion(hf_model, state)
+
+
+def save_adapter(model: Any, dirpath: str | os.PathLike, lora_state: Mapping[str, torch.Tensor]) -> Path:
+    """Write a PEFT model's active LoRA adapter from ``lora_state`` (its ``.lora_`` entries, as the
+    model's state dict names them) in PEFT's format: ``adapter_model.safetensors`` and its config.
+
+    PEFT's ``save_pretrained`` cannot be used under FSDP: it reads the factors from the (sharded)
+    modules, or matches a given state dict against module names FSDP has prefixed, and writes none.
+    """
+    from safetensors.torch import save_file
+
+    name = model.active_adapter
+    dirpath = Path(dirpath)
+    dirpath.mkdir(parents=True, exist_ok=True)
+    # PEFT stores the factors without the adapter's name: "...lora_A.default.weight" -> "...lora_A.weight".
+    tensors = {k.replace(f".{name}.", "."): v.detach().to("cpu").contiguous() for k, v in lora_state.items()}
+    if not tensors:
+        raise ValueError("no LoRA weights to save: is the model a LoRA (PEFT) model?")
+    save_file(tensors, dirpath / "adapter_model.safetensors", metadata={"format": "pt"})
+    config = copy.deepcopy(model.peft_config[name])
+    config.inference_mode = True  # as PEFT saves it: a saved adapter loads for inference
+    config.save_pretrained(dirpath)
+    return dirpath
 
 
 def reset_vllm_caches(llm: Any) -> None:
@@ -117,14 +155,16 @@ def read_weights(dirpath: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor
                 yield name, f.get_tensor(name)
 
 
-def sync_colocated(llm: Any, vlm: Any, in_process: bool = True) -> float:
-    """Push the policy into an engine in this process; seconds taken."""
-    weights = policy_weights(vlm)
+def sync_colocated(
+    llm: Any, vlm: Any, in_process: bool = True, chunks: Iterable[dict[str, torch.Tensor]] | None = None
+) -> float:
+    """Push the policy into an engine in this process (from ``chunks``, see ``policy_weights``); seconds."""
+    weights = policy_weights(vlm, chunks)
     return load_into_engine(llm, weights if in_process else list(weights))
 
 
-def write_weights(weights: Any, dirpath: str | os.PathLike) -> Path:
-    """Write (name, tensor) pairs as ``dirpath/model.safetensors``, atomically (a reader never sees half)."""
+def write_weights(weights: Any, dirpath: str | os.PathLike, name: str = WEIGHTS_FILE) -> Path:
+    """Write (name, tensor) pairs as ``dirpath/<name>``, atomically (a reader never sees half a file)."""
     from safetensors.torch import save_file
 
     dirpath = Path(dirpath)
@@ -133,7 +173,7 @@ def write_weights(weights: Any, dirpath: str | os.PathLike) -> Path:
     fd, tmp = tempfile.mkstemp(dir=dirpath, prefix=".tmp-", suffix=".safetensors")
     os.close(fd)
     save_file(tensors, tmp, metadata={"format": "pt"})
-    target = dirpath / WEIGHTS_FILE
+    target = dirpath / name
     os.replace(tmp, target)
     return target
 

@@ -28,6 +28,25 @@ def configure_optimizers(
     return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler(optimizer=opt), "interval": "step"}}
 
 
+def clip_gradients(
+    module: L.LightningModule,
+    optimizer: torch.optim.Optimizer,
+    value: float | None,
+    algorithm: str | None = "norm",
+) -> None:
+    """Lightning's gradient clipping, which FSDP cannot do by norm: there the root FSDP module's own
+    ``clip_grad_norm_`` computes the norm over every rank's shard (a collective; all ranks call it)."""
+    if not value:
+        return
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = module.trainer.strategy.model
+    if isinstance(model, FullyShardedDataParallel) and (algorithm or "norm") == "norm":
+        model.clip_grad_norm_(value)
+        return
+    module.clip_gradients(optimizer, gradient_clip_val=value, gradient_clip_algorithm=algorithm)
+
+
 def _warn_half_precision_updates(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer) -> None:
     # bf16 keeps 8 significant bits: an update below ~0.4% of a weight rounds away, so a 1e-6 AdamW
     # step on bf16 weights silently does nothing. fp32 master weights (model.dtype=float32 with

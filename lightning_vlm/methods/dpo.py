@@ -20,7 +20,7 @@ from torchmetrics import MeanMetric
 from lightning_vlm.generation.base import SamplingSettings
 from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.losses.preference import PreferenceInputs, RunningMean, weighted_preference_loss
-from lightning_vlm.methods.common import configure_optimizers, message_text
+from lightning_vlm.methods.common import clip_gradients, configure_optimizers, message_text
 from lightning_vlm.methods.preference_batch import encode_pairs, split_pairs
 from lightning_vlm.methods.reference_cache import ReferenceLogpCache, model_key, weights_fingerprint
 from lightning_vlm.models.reference import ReferenceModel
@@ -190,6 +190,12 @@ class DPO(L.LightningModule):
     def on_train_epoch_end(self) -> None:
         if self.ref_cache is not None:
             self.ref_cache.save()
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:  # fmt: skip
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> Any:
         return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory)

@@ -26,12 +26,13 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
+from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric
 
 from lightning_vlm.generation.base import Rollouts, SamplingSettings
 from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.losses.importance import rollout_correction, split_trl_mode
-from lightning_vlm.methods.common import configure_optimizers
+from lightning_vlm.methods.common import clip_gradients, configure_optimizers
 from lightning_vlm.methods.online_metrics import log_synced, rollout_metrics
 from lightning_vlm.methods.rollout_buffer import RolloutBatch, Step, global_counts, index_chunks
 from lightning_vlm.models.reference import ReferenceModel
@@ -184,15 +185,14 @@ class OnlineRL(L.LightningModule):
                     # Gradients are all-reduced once per optimizer step, on its last micro-batch.
                     sync = j == len(micro_batches) - 1
                     with contextlib.nullcontext() if sync else self._no_backward_sync():
-                        loss, stats = self._micro_batch_loss(batch, index.to(self.device), step)
+                        loss, stats = self._root_forward(
+                            self._micro_batch_loss, batch, index.to(self.device), step
+                        )
                         self.manual_backward(loss)
                     metrics["loss"].append(loss.detach())
                     for k, v in stats.items():
                         metrics[k].append(v * len(index) / len(step.index))
-                if hp.max_grad_norm:
-                    self.clip_gradients(
-                        opt, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm"
-                    )
+                clip_gradients(self, opt, hp.max_grad_norm)
                 opt.step()
                 if sched is not None:
                     sched.step()
@@ -201,6 +201,30 @@ class OnlineRL(L.LightningModule):
         # Loss terms add up over a step's micro-batches; the stats were weighted to a mean per step.
         # Each rank's loss is its share of the step's loss: the mean over ranks is the step's loss.
         log_synced(self, {f"train/{k}": torch.stack(v).sum() / steps for k, v in metrics.items()}, len(rows))
+
+    def _root_forward(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, as a forward of the root FSDP module when the model is sharded by FSDP.
+
+        FSDP expects every backpropagated output to come out of a root forward: a loss computed
+        inside ``training_step`` (one root forward) and backpropagated there, once per micro-batch,
+        would leave the root's shards in their forward state. The arguments travel on the module,
+        not through the root: under mixed precision it would cast the float ones (advantages, old
+        log-probs) to bf16.
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        root = self.trainer.strategy.model
+        if not isinstance(root, FullyShardedDataParallel):
+            return fn(*args)
+        self._root_call = (fn, args)
+        try:
+            return self.trainer.strategy._forward_redirection(root, self, "_run_root_call")
+        finally:
+            self._root_call = None
+
+    def _run_root_call(self) -> Any:
+        fn, args = self._root_call
+        return fn(*args)
 
     def _micro_batch_loss(
         self, batch: RolloutBatch, index: torch.Tensor, step: Step
@@ -234,9 +258,11 @@ class OnlineRL(L.LightningModule):
         )
 
     def _no_backward_sync(self) -> contextlib.AbstractContextManager:
-        # DDP's no_sync (Lightning's strategy knows whether the model is wrapped); a no-op otherwise.
+        # DDP's no_sync: accumulate locally, all-reduce on the step's last micro-batch. FSDP's no_sync
+        # cannot be entered inside a root forward (and would keep unsharded gradients): there every
+        # micro-batch reduce-scatters its gradients into the shards, which accumulate them exactly.
         strategy = self.trainer.strategy
-        if isinstance(strategy, ParallelStrategy):
+        if isinstance(strategy, ParallelStrategy) and isinstance(strategy.model, DistributedDataParallel):
             return strategy.block_backward_sync()
         return contextlib.nullcontext()
 

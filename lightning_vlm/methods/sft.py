@@ -12,7 +12,7 @@ from torchmetrics import MeanMetric
 from lightning_vlm.generation.base import SamplingSettings
 from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.losses.sft import sft_loss, token_accuracy
-from lightning_vlm.methods.common import answer_accuracy_rows, configure_optimizers
+from lightning_vlm.methods.common import answer_accuracy_rows, clip_gradients, configure_optimizers
 from lightning_vlm.models.vlm import VLM
 from lightning_vlm.parallel.collectives import mean_normalizer
 from lightning_vlm.rewards.accuracy import answers_match
@@ -82,6 +82,12 @@ class SFT(L.LightningModule):
         self.log("val/loss", self.val_loss, batch_size=len(rows))
         self.log("val/token_accuracy", self.val_token_accuracy, batch_size=len(rows))
         self.log("val/answer_accuracy", self.val_answer_accuracy, prog_bar=True, batch_size=len(rows))
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:  # fmt: skip
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> Any:
         return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory)

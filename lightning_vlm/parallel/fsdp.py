@@ -1,0 +1,123 @@
+"""Lightning's FSDP for VLMs: each family's own layer classes wrapped and checkpointed, found on the model.
+
+Lightning's ``FSDPStrategy`` needs the classes to wrap at construction, before any model exists, so a
+config would have to name ``Qwen2_5_VLDecoderLayer`` (and every other family's) by hand. Every
+transformers model already declares them: ``_no_split_modules`` lists the blocks that must stay whole
+(decoder layers, vision blocks), the same list Accelerate's transformer-based FSDP wrap uses. This
+strategy reads it from the module it is given, so ``trainer=fsdp`` fits every model config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import FSDPStrategy
+
+
+def no_split_classes(module: torch.nn.Module) -> set[type[torch.nn.Module]]:
+    """The classes of the modules inside ``module`` that a transformers model lists in ``_no_split_modules``."""
+    names: set[str] = set()
+    for sub in module.modules():
+        declared = getattr(sub, "_no_split_modules", None)
+        if isinstance(declared, (list, tuple, set)):
+            names.update(declared)
+    classes = {type(sub) for sub in module.modules() if type(sub).__name__ in names}
+    if not classes:
+        raise ValueError(
+            f"no layer of {type(module).__name__} is listed in a transformers model's _no_split_modules: give "
+            "trainer.strategy.auto_wrap_policy (a set of layer classes) instead of wrap_layers=true"
+        )
+    return classes
+
+
+class VLMFSDPStrategy(FSDPStrategy):
+    """``FSDPStrategy`` whose auto-wrap (``wrap_layers``) and activation checkpointing
+    (``checkpoint_layers``) policies are the model's ``_no_split_modules`` classes.
+
+    Every other argument is Lightning's (``sharding_strategy``, ``state_dict_type``, ``cpu_offload``,
+    ``mixed_precision``, ...); an explicit ``auto_wrap_policy`` / ``activation_checkpointing_policy``
+    wins over the derived one. Mixed precision follows ``trainer.precision`` as in Lightning.
+    """
+
+    def __init__(self, wrap_layers: bool = True, checkpoint_layers: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.wrap_layers = wrap_layers
+        self.checkpoint_layers = checkpoint_layers
+        self._root: torch.nn.Module | None = None
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        if self._root is not None and self._root.module is model:
+            # A later stage of the same module (validate after fit): its weights live sharded inside
+            # the root wrapper, which Lightning dropped; wrapping again would find them flattened.
+            return self._root
+
+        if self.wrap_layers or self.checkpoint_layers:
+            classes = no_split_classes(model)
+            if self.wrap_layers and "auto_wrap_policy" not in self.kwargs:
+                self.kwargs["auto_wrap_policy"] = ModuleWrapPolicy(classes)
+            if self.checkpoint_layers and not self._activation_checkpointing_kwargs:
+                self._activation_checkpointing_kwargs = {"auto_wrap_policy": ModuleWrapPolicy(classes)}
+        wrapped = any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+        if self.root_device.type == "cpu" and not wrapped:
+            # torch's FSDP runs on CPU (gloo) only when told device_id=cpu; Lightning passes the
+            # device index, None on CPU, and refuses. Wrapped here, Lightning takes the wrapper as is.
+            # (CPU is for tests: the same code path as a GPU run, on this machine's processes.)
+            model = FullyShardedDataParallel(
+                module=model, cpu_offload=self.cpu_offload, mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"), **self.kwargs,
+            )  # fmt: skip
+            self.kwargs.pop("auto_wrap_policy", None)
+        self._root = super()._setup_model(model)
+        return self._root
+
+
+# Module names FSDP and its activation checkpointing insert between a module and its children.
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter's name without FSDP's wrapper levels: the name the unwrapped model gives it."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def sharded_root(module: Any) -> torch.nn.Module | None:
+    """The root FSDP module when ``module`` (a strategy's model) is sharded by FSDP, else None."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return module if isinstance(module, FullyShardedDataParallel) else None
+
+
+def unit_state_chunks(root: torch.nn.Module, module: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """``module``'s parameters (and persistent buffers), one FSDP unit at a time, at full size.
+
+    Each dict holds one unit's tensors, named as in the unwrapped ``module.state_dict()``; the unit is
+    gathered while its dict is built and resharded before the next, so no rank ever holds more than
+    one unit beyond its shards (the tensors are copies: the gathered storage is freed on reshard).
+    A collective: every rank must iterate it to the end, in the same order.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    names: dict[int, list[str]] = {}  # tied weights (embeddings = LM head) under each of their names
+    for n, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(clean_name(n))
+    buffers = {}
+    for owner_name, owner in module.named_modules():
+        for name, buffer in owner.named_buffers(recurse=False):
+            if name not in owner._non_persistent_buffers_set:
+                buffers[clean_name(f"{owner_name}.{name}" if owner_name else name)] = buffer.detach().clone()
+    if buffers:
+        yield buffers
+    for unit in FSDP.fsdp_modules(root):
+        nested = {id(p) for sub in FSDP.fsdp_modules(unit) if sub is not unit for p in sub.parameters()}
+        own = [p for p in unit.parameters() if id(p) not in nested and id(p) in names]
+        if not own:
+            continue
+        with FSDP.summon_full_params(unit, recurse=False, writeback=False):
+            yield {name: p.detach().clone() for p in own for name in names[id(p)]}
