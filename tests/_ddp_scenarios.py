@@ -105,6 +105,26 @@ def fsdp_vllm(mode: str, out: Path) -> None:
     train(compose_train(overrides, folder))
 
 
+def collectives(out: Path) -> None:
+    """The collectives with a different number of rows on each rank (rank r holds r + 1)."""
+    import json
+
+    import torch.distributed as dist
+
+    from lightning_vlm.parallel.collectives import Shard, all_gather_object, gather_cat, mean_normalizer
+
+    dist.init_process_group("gloo") if not dist.is_initialized() else None
+    r = dist.get_rank()
+    rows = torch.arange(r + 1, dtype=torch.float32) + 10 * r
+    shard = Shard.exchange(len(rows))
+    result = {
+        "gathered": gather_cat(rows.unsqueeze(-1).repeat(1, 3)).tolist(),
+        "sizes": list(shard.sizes), "offset": shard.offset, "local": shard.local(shard.gather(rows)).tolist(),
+        "normalizer": float(mean_normalizer(len(rows))), "objects": all_gather_object({"rank": r}),
+    }  # fmt: skip
+    (out / f"collectives-rank{r}.json").write_text(json.dumps(result))
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
@@ -117,6 +137,8 @@ def main() -> None:
                 equivalence(name.split(":", 1)[1], out, strategy="fsdp")
             elif name == "rows":
                 rows(out)
+            elif name == "collectives":
+                collectives(out)
             elif name.startswith("learn:"):
                 _, generation, warm = name.split(":", 2)
                 learn(generation, warm, out)

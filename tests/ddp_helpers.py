@@ -181,6 +181,12 @@ EQUIVALENCE: dict[str, list[str]] = {
     "sft": ["method=sft", "data.train=${oc.env:DDP_TEST_DATA}/sft.jsonl"],
     "dpo": ["method=dpo", "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl"],
     "mpo": ["method=mpo", "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl"],
+    # reference log-probs computed once, each rank a share of the rows, then exchanged
+    "dpo_precomputed": [
+        "method=dpo",
+        "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl",
+        "method.precompute_ref_logps=true",
+    ],  # fmt: skip
     "grpo_dapo": ["method=grpo", *ONLINE, "method.loss_type=dapo"],
     # two optimizer steps per generation (old log-probs, clipping) and a KL to the reference
     "grpo_grpo": [

@@ -51,7 +51,12 @@ def two_processes(tiny_path, data_dir, tmp_path_factory):
     """Runs every two-process scenario in one torchrun launch (~1 min); returns its output folder."""
     tiny_path()  # built here, so the processes only read the cache
     out = tmp_path_factory.mktemp("ddp")
-    scenarios = [*[f"equivalence:{n}" for n in EQUIVALENCE], *[f"fsdp:{n}" for n in FSDP_EQUIVALENCE], "rows"]
+    scenarios = [
+        "collectives",
+        *[f"equivalence:{n}" for n in EQUIVALENCE],
+        *[f"fsdp:{n}" for n in FSDP_EQUIVALENCE],
+        "rows",
+    ]
     proc = torchrun(SCRIPT, [str(out), *scenarios], timeout=900)
     errors = {p.name: p.read_text() for p in out.glob("*.error")}
     if proc.returncode != 0 or errors:
@@ -127,3 +132,13 @@ def test_resuming_on_another_world_size_continues_the_epoch_with_a_warning(two_p
     # The 12 rows of steps 4-6 (3 batches of 4 on one process): the rest of the epoch, nothing twice.
     assert len(after) == 12
     assert sorted(seen_before[0] + seen_before[1] + after) == sorted(whole[0] + whole[1])
+
+
+def test_collectives_take_a_different_number_of_rows_on_each_rank(two_processes):
+    results = [json.loads((two_processes / f"collectives-rank{r}.json").read_text()) for r in (0, 1)]
+    for rank, result in enumerate(results):
+        assert result["gathered"] == [[0.0] * 3, [10.0] * 3, [11.0] * 3]
+        assert result["sizes"] == [1, 2] and result["offset"] == [0, 1][rank]
+        assert result["local"] == [[0.0], [10.0, 11.0]][rank]
+        assert result["normalizer"] == 1.5  # (1 + 2) / 2
+        assert result["objects"] == [{"rank": 0}, {"rank": 1}]

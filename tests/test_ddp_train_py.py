@@ -79,3 +79,20 @@ def test_a_killed_two_process_run_resumes_to_the_uninterrupted_weights(tmp_path)
     b = torch.load(tmp_path / "resumed" / "final.pt", weights_only=True)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
+
+
+def test_a_sweep_is_refused_when_lightning_would_launch_the_processes(tmp_path):
+    proc = _train_py(["-m", *DDP, "method=sft,dpo", "trainer.max_steps=2", "logger=csv"], tmp_path)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode != 0
+    assert "Hydra multirun (-m) with 2 processes" in out and "torchrun --nproc_per_node=2" in out
+
+
+def test_a_sweep_under_torchrun_runs_every_job_on_two_processes(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
+           "-m", *DDP, "method=sft,dpo", "trainer.max_steps=2", "logger=csv"]  # fmt: skip
+    env = {**_env(tmp_path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    # rank 0 writes one checkpoint folder per job
+    assert len(list((tmp_path / "logs").glob("*/multiruns/*/*/checkpoints/last.ckpt"))) == 2

@@ -54,3 +54,52 @@ def test_epoch_order_depends_on_seed_and_epoch_only():
     assert list(loader) == full[2:]
     loader.sampler.set_epoch(3)
     assert list(loader) != full
+
+
+def _epoch(loader) -> list[int]:
+    return [i for batch in loader for i in batch]
+
+
+def test_ranks_get_disjoint_shards_that_make_up_the_one_process_order():
+    one = ResumableDataLoader(list(range(11)), batch_size=4, seed=3, collate_fn=list)
+    ranks = [ResumableDataLoader(list(range(11)), batch_size=2, seed=3, num_replicas=2, rank=r, collate_fn=list)
+             for r in (0, 1)]  # fmt: skip
+    for loader in (one, *ranks):
+        loader.sampler.set_epoch(1)
+    order, shards = _epoch(one), [_epoch(r) for r in ranks]
+    # 11 rows on 2 ranks: padded to 12 by wrapping around (as DistributedSampler), so both get 6
+    assert len(shards[0]) == len(shards[1]) == 6
+    assert shards[0] == order[0::2] and shards[1] == order[1::2] + order[:1]
+    assert sorted(set(shards[0]) | set(shards[1])) == list(range(11))
+
+
+def test_a_checkpoint_on_the_last_batch_of_an_epoch_does_not_shorten_the_next():
+    loader = ResumableDataLoader(list(range(8)), batch_size=4, seed=0, collate_fn=list)
+    loader.sampler.set_epoch(0)
+    assert len(_epoch(loader)) == 8
+    state = loader.state_dict()
+    assert state == {"epoch": 0, "batches": 2, "samples": 8, "world_size": 1}
+    resumed = ResumableDataLoader(list(range(8)), batch_size=4, seed=0, collate_fn=list)
+    resumed.load_state_dict(state)
+    assert _epoch(resumed) == []  # epoch 0 was complete
+    resumed.sampler.set_epoch(1)
+    fresh = ResumableDataLoader(list(range(8)), batch_size=4, seed=0, collate_fn=list)
+    fresh.sampler.set_epoch(1)
+    assert _epoch(resumed) == _epoch(fresh)  # epoch 1 whole, not cut by epoch 0's position
+
+
+def test_a_two_process_position_continues_on_one_process_with_a_warning(caplog):
+    ranks = [ResumableDataLoader(list(range(12)), batch_size=2, seed=5, num_replicas=2, rank=r, collate_fn=list)
+             for r in (0, 1)]  # fmt: skip
+    seen = []
+    for loader in ranks:
+        it = iter(loader)
+        seen += next(it) + next(it)  # two batches of two on each rank: 8 of 12 rows
+    state = ranks[0].state_dict()
+    assert state["samples"] == 8 and state["world_size"] == 2
+    one = ResumableDataLoader(list(range(12)), batch_size=4, seed=5, collate_fn=list)
+    with caplog.at_level("WARNING"):
+        one.load_state_dict(state)
+    assert any("written by 2 processes on 1" in r.getMessage() for r in caplog.records)
+    rest = _epoch(one)
+    assert sorted(seen + rest) == list(range(12))

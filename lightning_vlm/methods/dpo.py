@@ -25,7 +25,7 @@ from lightning_vlm.methods.preference_batch import encode_pairs, split_pairs
 from lightning_vlm.methods.reference_cache import ReferenceLogpCache, model_key, weights_fingerprint
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
-from lightning_vlm.parallel.collectives import gather_cat, mean_normalizer
+from lightning_vlm.parallel.collectives import all_gather_object, gather_cat, mean_normalizer
 from lightning_vlm.rewards.accuracy import answers_match
 
 
@@ -121,8 +121,9 @@ class DPO(L.LightningModule):
                 if cache.missing(rows):
                     self._reference_logps(rows, self._encode(rows))
         cache.save()
-        self.trainer.strategy.barrier("precompute_ref_logps")
-        cache.reload()
+        # Every rank takes the others' values (no shared filesystem or common run folder needed).
+        for values in all_gather_object(cache.values):
+            cache.values.update(values)
         # Every row's values are stored: the frozen copy is no longer needed (LoRA's costs nothing).
         self.ref = None
 

@@ -5,8 +5,12 @@ from ``self.generator``, the rewards and advantages are computed once, and then
 ``num_iterations`` × ``steps_per_generation`` optimizer steps run over those rollouts (manual
 optimisation; each step accumulates micro-batches of ``micro_batch_size`` completions and divides by
 normalisers of the whole step, so micro-batch 1 × 4 == micro-batch 4 × 1). The rollouts live only
-inside the step and sampling is seeded from (``seed``, ``global_step``), so a checkpoint taken
+inside the step and sampling is seeded from (``seed``, ``global_step``, rank), so a checkpoint taken
 between steps needs neither a buffer nor RNG state to continue the same run.
+
+On several processes each rank generates for its own prompts; the step normalisers and TRL's
+whole-batch statistics are reduced over all ranks (``parallel.collectives``), so N processes with
+batch B compute the update of one process with batch N·B.
 
 For a vLLM callback: ``self.generator`` may be replaced by any ``Generator``; generation happens at the
 start of ``training_step`` (after ``on_train_batch_start``), and the weights changed since the last
@@ -120,10 +124,11 @@ class OnlineRL(L.LightningModule):
         raise NotImplementedError
 
     def loss(
-        self, batch: RolloutBatch, index: torch.Tensor, step: torch.Tensor, logps: torch.Tensor,
+        self, batch: RolloutBatch, index: torch.Tensor, step: Step, logps: torch.Tensor,
         entropy: torch.Tensor | None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
-        """Loss of micro-batch ``index`` within optimizer step ``step``, normalised over the whole step."""
+        """Loss of micro-batch ``index`` within optimizer ``step``, normalised over the whole step (all
+        ranks' part of it: divide sums by ``step.counts``)."""
         raise NotImplementedError
 
     # ---- the loop ----------------------------------------------------------------------------------------
@@ -160,9 +165,7 @@ class OnlineRL(L.LightningModule):
                 batch.old_logps, batch.sampler_logps, batch.completion_mask, self.is_level, self.is_mode,
                 hp.vllm_importance_sampling_cap,
             )  # fmt: skip
-            self.log_dict(
-                {f"train/{k}": v for k, v in is_metrics.items()}, batch_size=len(rows), sync_dist=True
-            )
+            log_synced(self, {f"train/{k}": v for k, v in is_metrics.items()}, len(rows))
         # 4. Advantages, once per generation (statistics over all ranks' completions where TRL takes them
         #    over the whole generation batch).
         batch.advantages = self.compute_advantages(batch)

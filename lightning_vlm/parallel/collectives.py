@@ -32,6 +32,15 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def all_gather_object(obj: object) -> list[object]:
+    """Every rank's picklable ``obj``, in rank order (``[obj]`` on one process)."""
+    if world_size() == 1:
+        return [obj]
+    out: list[object] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def gather_sizes(n: int, device: torch.device | str = "cpu") -> list[int]:
     """Every rank's ``n``, in rank order."""
     if world_size() == 1:
