@@ -47,21 +47,24 @@ def equivalence(name: str, out: Path, strategy: str = "ddp") -> None:
     train(compose_train(overrides, out / tag))
 
 
-def rows(out: Path) -> None:
-    """One whole epoch (6 steps of 2 × 2 rows); then the same epoch stopped after 3 steps and resumed."""
+def rows(out: Path, strategy: str = "ddp") -> None:
+    """One whole epoch (6 steps of 2 × 2 rows); then the same epoch stopped after 3 steps and resumed
+    (under FSDP from sharded checkpoints: one file per rank)."""
+    tag = "rows" if strategy == "ddp" else f"{strategy}_rows"
+    world = ROWS if strategy == "ddp" else [o for o in ROWS if o not in TWO_PROCESSES] + TWO_PROCESSES_FSDP
     record = "+callbacks.rows._target_=ddp_helpers.RecordRows"
     save = "+callbacks.save._target_=ddp_helpers.SaveWeights"
-    whole = [*ROWS, "trainer.max_steps=6", record, f"+callbacks.rows.dirpath={out / 'rows_whole'}",
-             save, f"+callbacks.save.path={out / 'rows_whole.pt'}"]  # fmt: skip
-    train(compose_train(whole, out / "rows_whole"))
-    ckpt = out / "rows_ckpt"
-    first = [*ROWS, "trainer.max_steps=3", record, f"+callbacks.rows.dirpath={out / 'rows_first'}",
+    whole = [*world, "trainer.max_steps=6", record, f"+callbacks.rows.dirpath={out / f'{tag}_whole'}",
+             save, f"+callbacks.save.path={out / f'{tag}_whole.pt'}"]  # fmt: skip
+    train(compose_train(whole, out / f"{tag}_whole"))
+    ckpt = out / f"{tag}_ckpt"
+    first = [*world, "trainer.max_steps=3", record, f"+callbacks.rows.dirpath={out / f'{tag}_first'}",
              "+callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint", f"+callbacks.ckpt.dirpath={ckpt}",
              "+callbacks.ckpt.every_n_train_steps=3", "+callbacks.ckpt.filename=mid"]  # fmt: skip
-    train(compose_train(first, out / "rows_first"))
-    second = [*ROWS, "trainer.max_steps=6", record, f"+callbacks.rows.dirpath={out / 'rows_second'}",
-              f"ckpt_path={ckpt / 'mid.ckpt'}", save, f"+callbacks.save.path={out / 'rows_resumed.pt'}"]  # fmt: skip
-    train(compose_train(second, out / "rows_second"))
+    train(compose_train(first, out / f"{tag}_first"))
+    second = [*world, "trainer.max_steps=6", record, f"+callbacks.rows.dirpath={out / f'{tag}_second'}",
+              f"ckpt_path={ckpt / 'mid.ckpt'}", save, f"+callbacks.save.path={out / f'{tag}_resumed.pt'}"]  # fmt: skip
+    train(compose_train(second, out / f"{tag}_second"))
 
 
 def learn(generation: str, warm: str, out: Path) -> None:
@@ -137,6 +140,8 @@ def main() -> None:
                 equivalence(name.split(":", 1)[1], out, strategy="fsdp")
             elif name == "rows":
                 rows(out)
+            elif name == "fsdp_rows":
+                rows(out, strategy="fsdp")
             elif name == "collectives":
                 collectives(out)
             elif name.startswith("learn:"):
