@@ -13,15 +13,15 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_vlm.data.resumable import ResumableDataLoader
-from lightning_vlm.data.rows import RowError, load_row, normalize_row
+from lightning_vlm.data.rows import RowError
 from lightning_vlm.data.sources import Source, load_source, plain
+from lightning_vlm.data.templates import RowFormat
 
 logger = logging.getLogger("lightning_vlm.data")
 
@@ -46,14 +46,12 @@ class RowDataset(Dataset):
     def __init__(
         self,
         source: Source,
-        shape: str,
+        row_format: RowFormat,
         indices: list[int],
-        column_map: Mapping[str, str] | None = None,
         on_bad_row: str = "error",
         skipped: Counter | None = None,
     ) -> None:
-        self.source, self.shape, self.indices = source, shape, indices
-        self.column_map, self.on_bad_row = dict(column_map or {}), on_bad_row
+        self.source, self.row_format, self.indices, self.on_bad_row = source, row_format, indices, on_bad_row
         self.skipped = skipped if skipped is not None else Counter()
 
     def __len__(self) -> int:
@@ -62,8 +60,9 @@ class RowDataset(Dataset):
     def __getitem__(self, i: int) -> dict | None:
         index = self.indices[i]
         try:
-            row = rename(self.source.rows[index], self.column_map)
-            return load_row(row, self.shape, index, self.source.name, self.source.base_dir)
+            return self.row_format.load(
+                self.source.rows[index], index, self.source.name, self.source.base_dir
+            )
         except RowError as e:
             if self.on_bad_row == "error":
                 raise
@@ -73,21 +72,16 @@ class RowDataset(Dataset):
             logger.warning("skipping a row: %s", e)
             return None
 
-
-def rename(row: Mapping, column_map: Mapping[str, str]) -> dict:
-    """The row with user column names mapped to ours (a mapped column wins over one already named so)."""
-    if not column_map:
-        return dict(row)
-    out = {k: v for k, v in row.items() if k not in column_map.values()}
-    out.update({column_map.get(k, k): v for k, v in row.items() if k in column_map})
-    return out
+    def normalized(self) -> list[dict]:
+        """Every row normalised, images left undecoded: for cheap passes over the text (answer lengths)."""
+        source, fmt = self.source, self.row_format
+        return [fmt.normalize(source.rows[i], i, source.name, source.base_dir, False) for i in self.indices]
 
 
 def scan(
     source: Source,
-    shape: str,
+    row_format: RowFormat,
     limit: int | None = None,
-    column_map: Mapping[str, str] | None = None,
     on_bad_row: str = "error",
 ) -> tuple[list[int], Counter]:
     """Run the cheap checks on the first ``limit`` rows; returns the good row indices and skips per reason."""
@@ -99,7 +93,7 @@ def scan(
         if index >= total:
             break
         try:
-            normalize_row(rename(row, column_map or {}), shape, index, source.name, source.base_dir)
+            row_format.normalize(row, index, source.name, source.base_dir)
         except RowError as e:
             if on_bad_row == "error":
                 raise
@@ -134,9 +128,13 @@ class VLMDataModule(L.LightningDataModule):
         synthetic: dict | None = None,
         on_bad_row: str = "error",
         column_map: dict | None = None,
+        prompt_template: str | None = None,
+        answer_template: str | None = None,
+        system_prompt: str | None = None,
     ) -> None:
         """``val=None`` means: carve ``val_fraction`` out of train, else the synthetic val split if train is
-        synthetic, else no validation. ``synthetic`` keys: num_train, num_val, seed, kinds, image_size."""
+        synthetic, else no validation. ``synthetic`` keys: num_train, num_val, seed, kinds, image_size.
+        ``column_map``, the templates and ``system_prompt`` shape raw rows: see ``templates.RowFormat``."""
         super().__init__()
         # None in a config means "the default" (Hydra nodes often leave keys null).
         val_split, val_fraction = val_split or "validation", val_fraction or 0.0
@@ -153,6 +151,10 @@ class VLMDataModule(L.LightningDataModule):
             raise ValueError(
                 f"unknown synthetic options {sorted(unknown)}; expected some of {list(SYNTHETIC_OPTIONS)}"
             )
+        # Built (and its settings checked) now: a bad template fails before any data is read.
+        self.row_format = RowFormat(
+            self.shape, plain(column_map) or {}, prompt_template, answer_template, system_prompt
+        )
         self.save_hyperparameters()
         self.hparams.update(val_split=val_split, val_fraction=val_fraction)
         # reason -> rows skipped with on_bad_row="skip": in setup, and at load when num_workers=0
@@ -178,17 +180,15 @@ class VLMDataModule(L.LightningDataModule):
         return {k: v for k, v in spec.items() if k not in ("num_samples", "split")}
 
     def _dataset(self, source: Source, indices: list[int]) -> RowDataset:
-        hp = self.hparams
-        return RowDataset(source, self.shape, indices, plain(hp.column_map), hp.on_bad_row, self.skipped)
+        return RowDataset(source, self.row_format, indices, self.hparams.on_bad_row, self.skipped)
 
     def setup(self, stage: str | None = None) -> None:
         """Load and validate the train and val sources (once, whatever the stage)."""
         if self.train_dataset is not None:
             return
         hp = self.hparams
-        column_map = plain(hp.column_map)
         train = load_source(hp.train, self.shape, hp.split, self._synthetic("train"))
-        indices, skipped = scan(train, self.shape, hp.max_samples, column_map, hp.on_bad_row)
+        indices, skipped = scan(train, self.row_format, hp.max_samples, hp.on_bad_row)
         self.skipped.update(skipped)
         val_indices: list[int] = []
         val: Source | None = None
@@ -200,7 +200,7 @@ class VLMDataModule(L.LightningDataModule):
         elif hp.val is not None or train.trusted:
             spec = hp.val if hp.val is not None else self._synthetic_val_spec()
             val = load_source(spec, self.shape, hp.val_split, self._synthetic(hp.val_split))
-            val_indices, skipped = scan(val, self.shape, hp.max_val_samples, column_map, hp.on_bad_row)
+            val_indices, skipped = scan(val, self.row_format, hp.max_val_samples, hp.on_bad_row)
             self.skipped.update(skipped)
         if hp.max_val_samples is not None:
             val_indices = val_indices[: hp.max_val_samples]
@@ -250,6 +250,11 @@ class VLMDataModule(L.LightningDataModule):
             for dataset in (self.train_dataset, self.val_dataset if val else None)
             if dataset is not None
         ]
+
+    def val_rows(self) -> list[dict]:
+        """Every validation row, normalised with images undecoded (e.g. to size the answers); [] without any."""
+        self.setup()
+        return self.val_dataset.normalized() if self.val_dataset is not None else []
 
     def val_dataloader(self) -> DataLoader | list:
         """Batches of validation rows in order; an empty list (Lightning: no validation) when there is none."""

@@ -1,0 +1,151 @@
+"""How a raw row becomes our columns before normalisation: renames, prompt/answer templates, a system turn.
+
+Open-r1 style prompt sets carry a question column (``problem``), an answer column (``solution``) and an
+image, not a conversation. ``prompt_template`` (a Python format string over the row's columns, e.g.
+``"{problem}"``) builds the user turn from them; ``normalize_row`` then puts the row's image block(s)
+first in that turn, as for any plain-string prompt. For SFT data ``answer_template`` builds the
+assistant turn the same way. ``system_prompt`` is prepended to every conversation as a system turn
+(a row that has its own system turn keeps it). Templates see the columns after ``column_map``.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lightning_vlm.data.rows import SHAPES, RowError, load_row, normalize_row
+
+# The conversation column each shape's template fills, and the one the system turn goes in front of.
+CONVERSATION: dict[str, str] = {"sft": "messages", "preference": "prompt", "prompt": "prompt"}
+
+
+def rename(row: Mapping, column_map: Mapping[str, str]) -> dict:
+    """The row with user column names mapped to ours (a mapped column wins over one already named so)."""
+    if not column_map:
+        return dict(row)
+    out = {k: v for k, v in row.items() if k not in column_map.values()}
+    out.update({column_map.get(k, k): v for k, v in row.items() if k in column_map})
+    return out
+
+
+def template_columns(template: str, setting: str) -> tuple[str, ...]:
+    """The columns a format string names (``"{problem}"`` -> ``("problem",)``); a bad one raises naming
+    the ``setting`` it came from."""
+    if not isinstance(template, str):  # e.g. Hydra read an unquoted {problem} as a dict
+        raise ValueError(
+            f"{setting} must be a string, got {type(template).__name__} {template!r}; on the command line "
+            f"quote it: '{setting}=\"{{problem}}\"'"
+        )
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as e:  # unbalanced braces
+        raise ValueError(
+            f"{setting}={template!r} is not a Python format string ({e}); write literal braces as {{{{ }}}}"
+        ) from None
+    # "{problem}", "{meta[id]}" and "{meta.id}" all read column problem / meta.
+    roots = [name.split(".")[0].split("[")[0] for name in fields]
+    if any(not root or root.isdigit() for root in roots):
+        raise ValueError(f"{setting}={template!r}: every {{...}} must name a column, e.g. {{problem}}")
+    return tuple(dict.fromkeys(roots))
+
+
+def _fill(
+    template: str, columns: tuple[str, ...], setting: str, row: Mapping, index: int, source: str
+) -> str:
+    for column in columns:
+        if row.get(column) is None:  # stored datasets fill absent keys with None
+            raise RowError(
+                source,
+                index,
+                column,
+                "missing_column",
+                f"{setting}={template!r} names column {column!r}, which this row lacks (columns: {sorted(row)})",
+            )
+    try:
+        return template.format_map(row)
+    except (KeyError, IndexError, AttributeError, ValueError, TypeError) as e:
+        raise RowError(
+            source,
+            index,
+            columns[0] if columns else "<template>",
+            "wrong_type",
+            f"{setting}={template!r} cannot be filled from this row: {type(e).__name__}: {e}",
+        ) from None
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """The per-source settings that turn raw rows into normalised rows of one shape (see module doc)."""
+
+    shape: str
+    column_map: Mapping[str, str] = field(default_factory=dict)
+    prompt_template: str | None = None
+    answer_template: str | None = None
+    system_prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.shape not in SHAPES:
+            raise ValueError(f"unknown data shape {self.shape!r}; expected one of {SHAPES}")
+        # Checked at construction, so a bad setting fails before any row is read.
+        self._columns("prompt_template"), self._columns("answer_template")
+        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
+            raise ValueError(f"data.system_prompt must be a string, got {self.system_prompt!r}")
+        if self.answer_template is not None and self.shape != "sft":
+            raise ValueError(
+                f"data.answer_template applies to SFT data only; {self.shape} data keep their answers in "
+                f"{'chosen/rejected' if self.shape == 'preference' else 'columns the rewards read'}"
+            )
+        if self.shape == "sft" and (self.prompt_template is None) != (self.answer_template is None):
+            raise ValueError(
+                "SFT data built from templates need both data.prompt_template (the user turn) and "
+                "data.answer_template (the assistant turn, e.g. '{solution}')"
+            )
+
+    def _columns(self, setting: str) -> tuple[str, ...]:
+        template = getattr(self, setting)
+        return () if template is None else template_columns(template, f"data.{setting}")
+
+    def fill(self, row: Mapping, index: int = 0, source: str = "data") -> dict:
+        """The raw row renamed and with its templated conversation column set; other columns unchanged."""
+        out = rename(row, self.column_map)
+        if self.prompt_template is None:
+            return out
+        # Read from the renamed row before writing, so a template may name the column it replaces.
+        user = _fill(
+            self.prompt_template, self._columns("prompt_template"), "data.prompt_template", out, index, source
+        )
+        if self.shape == "sft":
+            answer = _fill(
+                self.answer_template,
+                self._columns("answer_template"),
+                "data.answer_template",
+                out,
+                index,
+                source,
+            )
+            out["messages"] = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+        else:
+            out["prompt"] = user
+        return out
+
+    def with_system(self, row: dict) -> dict:
+        """A normalised row with the system turn in front of its conversation (unless it has one)."""
+        column = CONVERSATION[self.shape]
+        messages = row[column]
+        if not self.system_prompt or (messages and messages[0]["role"] == "system"):
+            return row
+        system = {"role": "system", "content": [{"type": "text", "text": self.system_prompt}]}
+        return {**row, column: [system, *messages]}
+
+    def normalize(
+        self, row: Mapping, index: int, source: str, base_dir: Path | None, check_files: bool = True
+    ) -> dict:
+        """Validate one raw row and return it normalised; images stay references (see ``normalize_row``)."""
+        out = normalize_row(self.fill(row, index, source), self.shape, index, source, base_dir, check_files)
+        return self.with_system(out)
+
+    def load(self, row: Mapping, index: int, source: str, base_dir: Path | None) -> dict:
+        """Normalise one raw row and decode its images (see ``load_row``): the form DataModules yield."""
+        return self.with_system(load_row(self.fill(row, index, source), self.shape, index, source, base_dir))
