@@ -35,6 +35,7 @@ from lightning_vlm.generation.base import Rollouts, SamplingSettings
 from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.losses.importance import rollout_correction, split_trl_mode
 from lightning_vlm.methods.common import clip_gradients, configure_optimizers
+from lightning_vlm.methods.completions import CompletionRecorder, rollout_samples
 from lightning_vlm.methods.online_metrics import log_synced, rollout_metrics
 from lightning_vlm.methods.rollout_buffer import RolloutBatch, Step, global_counts, index_chunks
 from lightning_vlm.models.reference import ReferenceModel
@@ -107,6 +108,7 @@ class OnlineRL(L.LightningModule):
         self.val_reward = MeanMetric()
         self.val_answer_accuracy = MeanMetric()
         self.val_rewards = torch.nn.ModuleDict({n: MeanMetric() for n in self.scorer.names})
+        self.completion_recorder = CompletionRecorder()  # filled when LogCompletions asks
 
     # ---- what subclasses decide ----------------------------------------------------------------------
     @property
@@ -170,6 +172,8 @@ class OnlineRL(L.LightningModule):
         #    over the whole generation batch).
         batch.advantages = self.compute_advantages(batch)
         self.log_rollouts(batch)
+        if self.completion_recorder.wants("train"):
+            self.completion_recorder.record("train", rollout_samples(batch, self.scorer.names))
         # 5. num_iterations passes over steps_per_generation optimizer steps. Every loss divides by
         #    normalisers of its whole optimizer step over all ranks, so neither micro-batching nor the
         #    number of processes changes the update.

@@ -13,6 +13,8 @@ from lightning_vlm.generation.base import SamplingSettings
 from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.losses.sft import sft_loss, token_accuracy
 from lightning_vlm.methods.common import answer_accuracy_rows, clip_gradients, configure_optimizers
+from lightning_vlm.methods.completions import CompletionRecorder, answer_samples
+from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_tokens
 from lightning_vlm.models.vlm import VLM
 from lightning_vlm.parallel.collectives import mean_normalizer
 from lightning_vlm.rewards.accuracy import answers_match
@@ -27,9 +29,11 @@ class SFT(L.LightningModule):
         optimizer: Callable[..., torch.optim.Optimizer],
         scheduler: Callable[..., Any] | None = None,
         max_length: int | None = None,
-        val_max_new_tokens: int = 16,
+        val_max_new_tokens: int | None = None,
     ) -> None:
+        """``val_max_new_tokens=None``: the longest validation answer + a margin (see ``val_tokens``)."""
         super().__init__()
+        check_setting(val_max_new_tokens)
         # Factories stay out of hparams: checkpoints then hold plain values and load with weights_only=True.
         self.save_hyperparameters(ignore=["vlm", "optimizer", "scheduler"])
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
@@ -39,6 +43,8 @@ class SFT(L.LightningModule):
         self.val_loss = MeanMetric()
         self.val_token_accuracy = MeanMetric()
         self.val_answer_accuracy = MeanMetric()
+        self.completion_recorder = CompletionRecorder()  # filled when LogCompletions asks
+        self.val_new_tokens: int | None = None  # val_max_new_tokens, resolved at the first validation
 
     def _loss_and_accuracy(
         self, rows: list[dict], train: bool = False
@@ -70,18 +76,26 @@ class SFT(L.LightningModule):
         self.val_loss.update(loss, weight=total)
         self.val_token_accuracy.update(correct / total.clamp(min=1), weight=total)
         prompts, references = answer_accuracy_rows(rows)
-        greedy = SamplingSettings(
-            max_new_tokens=self.hparams.val_max_new_tokens, temperature=0.0, do_sample=False
-        )
+        greedy = SamplingSettings(max_new_tokens=self.val_new_tokens, temperature=0.0, do_sample=False)
         rollouts = self.generator.generate(prompts, num_generations=1, sampling=greedy)
         hits = [
             float(answers_match(text, ref))
             for text, ref in zip(rollouts.completion_texts, references, strict=True)
         ]
         self.val_answer_accuracy.update(torch.tensor(hits, device=self.device))
+        if self.completion_recorder.wants("val"):
+            samples = answer_samples(prompts, rollouts.completion_texts, references, hits)
+            self.completion_recorder.record("val", samples)
         self.log("val/loss", self.val_loss, batch_size=len(rows))
         self.log("val/token_accuracy", self.val_token_accuracy, batch_size=len(rows))
         self.log("val/answer_accuracy", self.val_answer_accuracy, prog_bar=True, batch_size=len(rows))
+
+    def on_validation_start(self) -> None:
+        if self.val_new_tokens is None:  # once per run (validations run every val_check_interval)
+            self.val_new_tokens = resolve_val_max_new_tokens(
+                self.hparams.val_max_new_tokens, self.trainer.datamodule,
+                lambda rows: answer_accuracy_rows(rows)[1], self.vlm.tokenizer,
+            )  # fmt: skip
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,

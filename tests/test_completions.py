@@ -1,0 +1,168 @@
+"""Sample completions (TRL's log_completions): a W&B table read back from the offline run, the JSONL
+file other loggers get, and the rich console table; train.py's train() for two steps each."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from pathlib import Path
+
+import pytest
+import wandb
+from PIL import Image
+from wandb.proto import wandb_internal_pb2
+
+from helpers import compose_train
+from lightning_vlm.callbacks.completions import print_completions
+from lightning_vlm.methods.completions import CompletionRecorder, CompletionSample
+from lightning_vlm.training import train
+
+# Two tiny steps, validated once at the end on four rows; a table per step for online methods.
+SHORT = [
+    "trainer.max_steps=2", "trainer.val_check_interval=2", "data.synthetic.num_val=4",
+    "data.val_batch_size=4", "callbacks.completions.log_completions_steps=1",
+]  # fmt: skip
+ONLINE = ["method=grpo", "data.batch_size=2", "method.num_generations=2"]
+COLUMNS = ["step", "image", "prompt", "completion"]
+
+
+@pytest.fixture
+def tiny(tiny_path) -> list[str]:
+    """The random tiny model, not the SFT warm start the online and preference configs pick: that one is
+    keyed by the training code's hash and rebuilt (minutes) after any edit; two steps need no skill."""
+    return [f"model.model_name_or_path={tiny_path()}"]
+
+
+def wandb_records(path: Path):
+    """The protobuf records of an offline ``.wandb`` file. wandb 0.31 no longer ships a Python reader
+    (its Go core writes the file): this is the LevelDB log framing wandb uses, 32 KiB blocks of
+    chunks with a 7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last)."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", "not a wandb transaction log"
+    pos, block, buf = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if (length == 0 and kind == 0) or pos + 7 + length > len(data):  # the end, or a chunk being written
+            break
+        buf = data[pos + 7 : pos + 7 + length] if kind in (1, 2) else buf + data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(buf)
+            yield record
+
+
+def logged_tables(run_dir: Path, key: str) -> list[tuple[dict, dict[str, Path]]]:
+    """Each table logged under ``key``: its JSON (as wandb uploads it) and its files by artifact path."""
+    (log_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    # wandb.finish() can return before wandb-core's writer has flushed the file: wait for the run's
+    # exit record (it had not yet in 4 of 24 runs on the loaded test machine).
+    deadline = time.monotonic() + 30
+    records = list(wandb_records(log_file))
+    while not any(r.HasField("exit") for r in records):
+        assert time.monotonic() < deadline, f"{log_file} has no exit record after 30 s"
+        time.sleep(0.2)
+        records = list(wandb_records(log_file))
+    history = [
+        {tuple(i.nested_key): i.value_json for i in r.history.item} for r in records if r.HasField("history")
+    ]
+    assert any(h.get((key, "_type")) == '"table-file"' for h in history), f"no table logged as {key!r}"
+    tables = []
+    for r in records:
+        # a run_table artifact per log; its name is the key made safe (and made unique), its entry is not
+        files = {e.path: Path(e.local_path) for e in r.artifact.manifest.contents}
+        if r.HasField("artifact") and r.artifact.type == "run_table" and f"{key}.table.json" in files:
+            tables.append((json.loads(files[f"{key}.table.json"].read_text()), files))
+    return tables
+
+
+@pytest.fixture
+def wandb_data_dir(tmp_path, monkeypatch):
+    # wandb stages a table's images (for `wandb sync`) under its data dir: keep them in the test's folder.
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
+    yield
+    wandb.finish()  # the next WandbLogger would otherwise reuse this run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("method", "key", "values"),
+    [
+        ("grpo", "completions", ["accuracy_reward", "reward", "advantage"]),
+        ("sft", "val/completions", ["reference", "correct"]),
+        ("dpo", "val/completions", ["reference", "correct"]),
+    ],
+)
+def test_wandb_table_has_the_columns_and_images(method, key, values, tiny, tmp_path, wandb_data_dir):
+    overrides = ONLINE if method == "grpo" else [f"method={method}"]
+    train(compose_train([*overrides, *tiny, *SHORT, "logger=wandb"], tmp_path))
+    wandb.finish()
+    tables = logged_tables(tmp_path, key)
+    # grpo: one table per optimizer step (log_completions_steps=1), at the step that generated them;
+    # sft/dpo: one per validation (the first validation batch: all four rows)
+    assert [sorted({row[0] for row in t["data"]}) for t, _ in tables] == (
+        [[0], [1]] if method == "grpo" else [[2]]
+    )
+    for table, files in tables:
+        assert table["columns"] == [*COLUMNS, *values]
+        assert len(table["data"]) == 4  # 2 prompts x 2 generations, or 4 validation rows
+        for row in table["data"]:
+            image = row[1]
+            assert image["_type"] == "image-file" and files[image["path"]].is_file()
+            assert Image.open(files[image["path"]]).size == (image["width"], image["height"])
+            assert "color" in row[2]  # the synthetic question
+
+
+@pytest.mark.slow
+def test_csv_logger_appends_jsonl_rows_and_prints_them(tiny, tmp_path, capsys):
+    train(
+        compose_train(
+            [*ONLINE, *tiny, *SHORT, "logger=csv", "callbacks.completions.num_completions_to_print=3"],
+            tmp_path,
+        )
+    )
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 0, 0, 0, 1, 1, 1, 1] and {r["stage"] for r in rows} == {"train"}
+    for r in rows:
+        assert list(r) == ["stage", *COLUMNS, "accuracy_reward", "reward", "advantage"]
+        assert r["reward"] == r["accuracy_reward"] and isinstance(r["advantage"], float)
+        assert (tmp_path / r["image"]).is_file()  # a PNG in the run folder, not pixels in the file
+    # the two completions of a prompt share its image file; two prompts per step
+    assert rows[0]["image"] == rows[1]["image"] != rows[2]["image"]
+    out = capsys.readouterr().out
+    assert "completions at step 0" in out and "completions at step 1" in out
+    assert out.count("accuracy_reward") == 2  # one console table per log, headers once each
+    assert out.count("├") == 2 * 2  # num_completions_to_print=3 of the 4 rows: 2 row separators each
+
+
+@pytest.mark.slow
+def test_off_switch_writes_and_prints_nothing(tiny, tmp_path, capsys):
+    overrides = ["method=sft", *tiny, *SHORT, "logger=csv", "callbacks.completions.log_completions=false"]
+    train(compose_train(overrides, tmp_path))
+    assert not (tmp_path / "completions.jsonl").exists() and not (tmp_path / "completions").exists()
+    assert "completions at step" not in capsys.readouterr().out
+
+
+def test_console_table_renders_the_samples(capsys):
+    samples = [
+        CompletionSample(f"prompt {i}", f"answer-{i}", None, {"reference": "red", "correct": i == 0})
+        for i in range(2)
+    ]
+    assert print_completions("val/completions", 7, samples)
+    out = capsys.readouterr().out
+    assert "val/completions at step 7" in out and "prompt 1" in out and "answer-1" in out
+    assert "reference" in out and "correct" in out and "True" in out and "False" in out
+
+
+def test_recorder_keeps_one_batch_per_request():
+    recorder = CompletionRecorder()
+    assert not recorder.wants("val")  # not asked: methods build nothing
+    recorder.request("val")
+    sample = CompletionSample("p", "c", None, {})
+    recorder.record("val", [sample])
+    assert not recorder.wants("val")  # later validation batches record nothing
+    assert recorder.take("val") == [sample] and recorder.take("val") == []
