@@ -21,11 +21,14 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml") if not p.stem.startswith("_"))
 
 
-def compose_train(overrides: list[str], output_dir: Path | None = None) -> DictConfig:
-    """The config train.py would run with these overrides, with Hydra's runtime values set."""
+def compose_train(
+    overrides: list[str], output_dir: Path | None = None, config_name: str = "train"
+) -> DictConfig:
+    """The config train.py (eval.py: ``config_name="eval"``) would run with these overrides, with
+    Hydra's runtime values set."""
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("train", overrides=overrides, return_hydra_config=True)
+        cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
     with open_dict(cfg):
         cfg.hydra.runtime.output_dir = str(output_dir or ROOT / "logs" / "tests")
         cfg.hydra.job.num = 0

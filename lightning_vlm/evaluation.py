@@ -1,0 +1,117 @@
+"""The evaluation entry point behind eval.py: compose -> instantiate -> trainer.validate -> JSON report.
+
+The numbers are the method's own validation metrics (``trainer.validate`` of the method module): SFT's
+held-out answer accuracy, DPO's preference accuracy (``val/rewards/accuracies``), an online method's
+mean reward and each reward function's mean (``val/rewards/<name>``), and whatever else it logs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_vlm.methods.dpo import DPO
+from lightning_vlm.training import build, drop_refused, instantiate_group
+
+log = logging.getLogger(__name__)
+
+
+class RowCounter(L.Callback):
+    """Counts the validation rows the module scored (what ``limit_val_batches`` and sharding left)."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+
+    def on_validation_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:  # fmt: skip
+        self.rows += len(batch)
+
+    def total(self, trainer: L.Trainer) -> int:
+        """Rows scored by every rank together (a collective: every rank calls it)."""
+        # On the strategy's device: NCCL reduces CUDA tensors only.
+        count = torch.tensor(float(self.rows), device=trainer.strategy.root_device)
+        return int(trainer.strategy.reduce(count, reduce_op="sum").item())
+
+
+def checkpoint_to_load(ckpt_path: str | None, trainer: L.Trainer) -> str | None:
+    """The local checkpoint ``trainer.validate`` may load, or a ``ValueError`` saying why not.
+
+    URLs are refused (a checkpoint is fetched by hand, then loaded with ``weights_only=True``); a
+    folder (FSDP's sharded checkpoints, DeepSpeed's) loads only through the strategy that wrote it.
+    """
+    if not ckpt_path:
+        return None
+    if "://" in str(ckpt_path):
+        raise ValueError(
+            f"ckpt_path={ckpt_path!r} is a URL: eval.py loads local files only (with weights_only=True). "
+            "Download the checkpoint and pass its path."
+        )
+    path = Path(ckpt_path)
+    if not path.exists():
+        raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such file or folder")
+    if path.is_dir():
+        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+        if not isinstance(trainer.strategy, FSDPStrategy | DeepSpeedStrategy):
+            raise ValueError(
+                f"ckpt_path={ckpt_path!r} is a folder: a sharded (FSDP) or DeepSpeed checkpoint, which "
+                f"loads only through the strategy that wrote it (this trainer's is "
+                f"{type(trainer.strategy).__name__}). Evaluate it with the training run's strategy, e.g. "
+                "`trainer=fsdp trainer.devices=<N>`, or evaluate the HF folder an ExportHFModel callback "
+                "wrote (`model.model_name_or_path=<dir>`)."
+            )
+    return str(path)
+
+
+def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
+    """Scores ``cfg.ckpt_path`` (or ``cfg.model``'s weights) on the validation set; returns the report
+    and where it was written (rank 0 writes it)."""
+    datamodule, module = build(cfg)
+    counter = RowCounter()
+    loggers = instantiate_group(cfg.get("logger"))
+    callbacks = [*drop_refused(instantiate_group(cfg.get("callbacks")), cfg.trainer, bool(loggers)), counter]
+    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    ckpt_path = checkpoint_to_load(cfg.get("ckpt_path"), trainer)
+    if isinstance(module, DPO) and ckpt_path is None:
+        # DPO's reference is a copy of the model it was built from: scoring an HF folder against
+        # itself gives every pair margin 0 (preference accuracy 0.5 by construction).
+        log.warning(
+            "Evaluating DPO without ckpt_path: the reference is %s itself, so val/rewards/* compare it "
+            "with itself. Evaluate the Lightning checkpoint (reference = the model training began from).",
+            cfg.model.model_name_or_path,
+        )
+
+    results = trainer.validate(
+        module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False
+    )
+    rows = counter.total(trainer)
+    if not results or rows == 0:
+        raise ValueError(
+            "no validation rows were scored: set data.val=<file or dataset> (or data.val_fraction), and "
+            "check trainer.limit_val_batches"
+        )
+    report = {
+        "metrics": {k: float(v) for k, v in sorted(results[0].items())},
+        "ckpt_path": ckpt_path,
+        "model_name_or_path": cfg.model.model_name_or_path,
+        "method": cfg.method._target_,
+        "task_name": cfg.get("task_name"),
+        "data": OmegaConf.to_container(cfg.data, resolve=True),
+        "num_rows": rows,
+    }
+    path = Path(cfg.report_path)
+    if trainer.is_global_zero:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        log.info("Metrics of %s on %d rows: %s", ckpt_path or cfg.model.model_name_or_path, rows,
+                 report["metrics"])  # fmt: skip
+    return report, path

@@ -1,0 +1,149 @@
+"""eval.py: a checkpoint and its exported HF folder score the method's own validation metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from helpers import ROOT, compose_train
+from lightning_vlm.evaluation import checkpoint_to_load, evaluate
+from lightning_vlm.training import train
+
+# Small validation sets: every number below is computed on the same 8 rows.
+DATA = ["data.batch_size=4", "data.synthetic.num_val=8", "data.val_batch_size=8"]
+COMMON = ["logger=none", "callbacks=none", "trainer.enable_progress_bar=false", *DATA]
+
+
+def _trained(method_overrides: list[str], out: Path) -> dict[str, float]:
+    """Two training steps, validated at step 2, with that step's checkpoint (ckpt/step2.ckpt) and HF
+    export (hf/); returns the final (step-2 validation) metrics."""
+    overrides = [
+        *COMMON, *method_overrides, "trainer.max_steps=2", "trainer.val_check_interval=2",
+        "+callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+        f"+callbacks.ckpt.dirpath={out / 'ckpt'}", "+callbacks.ckpt.filename=step2",
+        "+callbacks.export._target_=lightning_vlm.callbacks.export.ExportHFModel",
+        f"+callbacks.export.dirpath={out / 'hf'}",
+    ]  # fmt: skip
+    metrics, _ = train(compose_train(overrides, out))
+    return metrics
+
+
+def _evaluate(overrides: list[str], out: Path) -> dict:
+    report, path = evaluate(compose_train([*DATA, *overrides], out, config_name="eval"))
+    assert json.loads(path.read_text()) == json.loads(json.dumps(report))
+    return report
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory) -> tuple[Path, dict[str, float]]:
+    out = tmp_path_factory.mktemp("sft")
+    return out, _trained([], out)
+
+
+def _val(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if k.startswith("val/")}
+
+
+def _assert_same(a: dict[str, float], b: dict[str, float]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-6), name
+
+
+@pytest.mark.slow  # a real eval.py process
+def test_eval_py_scores_the_checkpoint_and_its_exported_folder_the_same(sft_run, tmp_path):
+    run, trained = sft_run
+    ckpt = run / "ckpt" / "step2.ckpt"
+    env = {**os.environ, "PROJECT_ROOT": str(tmp_path), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "eval.py"), f"ckpt_path={ckpt}", *DATA, f"hydra.run.dir={tmp_path / 'e'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    printed = Path(proc.stdout.strip().splitlines()[-1].rsplit(": ", 1)[1])
+    assert printed == tmp_path / "e" / "eval.json"
+    report = json.loads(printed.read_text())
+    assert report["ckpt_path"] == str(ckpt) and report["num_rows"] == 8
+    assert report["data"]["synthetic"]["num_val"] == 8
+    # The checkpoint scores what training's validation at that step logged.
+    _assert_same(report["metrics"], _val(trained))
+
+    folder = _evaluate([f"model.model_name_or_path={run / 'hf'}"], tmp_path / "hf")
+    assert folder["ckpt_path"] is None and folder["model_name_or_path"] == str(run / "hf")
+    assert folder["metrics"]["val/answer_accuracy"] == report["metrics"]["val/answer_accuracy"]
+    _assert_same(folder["metrics"], report["metrics"])
+    # ... and not what the freshly built model scores: the weights evaluated are the trained ones.
+    untrained = _evaluate([], tmp_path / "untrained")
+    assert untrained["metrics"]["val/loss"] != pytest.approx(report["metrics"]["val/loss"], rel=1e-3)
+
+
+def _weights(out: dict) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in out["module"].vlm.model.named_parameters()}
+
+
+def test_validate_before_fit_scores_the_checkpoint_and_keeps_the_resume(sft_run, tmp_path):
+    run, _ = sft_run
+    ckpt = run / "ckpt" / "step2.ckpt"
+    resume = [*COMMON, "trainer.max_steps=3", "trainer.val_check_interval=3", f"ckpt_path={ckpt}"]
+    _, checked = train(compose_train([*resume, "validate_before_fit=true"], tmp_path / "a"))
+    evaluated = _evaluate([f"ckpt_path={ckpt}"], tmp_path / "eval")
+    _assert_same(checked["initial_metrics"], evaluated["metrics"])
+    # The baseline validation does not disturb the resume: same weights as a plain resumed run.
+    _, plain = train(compose_train(resume, tmp_path / "b"))
+    assert checked["trainer"].global_step == plain["trainer"].global_step == 3
+    a, b = _weights(checked), _weights(plain)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
+
+
+def test_eval_of_a_dpo_checkpoint_reports_preference_accuracy(sft_run, tmp_path):
+    # DPO from the SFT export; evaluated with the same model config, so its reference is that export.
+    start = [f"model.model_name_or_path={sft_run[0] / 'hf'}", "method=dpo"]
+    trained = _trained(start, tmp_path / "dpo")
+    report = _evaluate([*start, f"ckpt_path={tmp_path / 'dpo' / 'ckpt' / 'step2.ckpt'}"], tmp_path / "eval")
+    metrics = report["metrics"]
+    assert 0.0 <= metrics["val/rewards/accuracies"] <= 1.0
+    assert {"val/rewards/chosen", "val/rewards/rejected", "val/answer_accuracy"} <= metrics.keys()
+    _assert_same(metrics, _val(trained))
+    assert report["task_name"] == "dpo" and report["num_rows"] == 8
+
+
+def test_eval_of_an_online_method_reports_each_reward_function(sft_run, tmp_path):
+    overrides = [f"model.model_name_or_path={sft_run[0] / 'hf'}", "method=grpo",
+                 "method.reward_funcs=[accuracy_reward,think_format_reward]", "method.val_num_generations=2"]  # fmt: skip
+    report = _evaluate(overrides, tmp_path)
+    metrics = report["metrics"]
+    reward, accuracy, think = (metrics[f"val/{k}"] for k in
+                               ("reward", "rewards/accuracy_reward", "rewards/think_format_reward"))  # fmt: skip
+    # Weights 1 and 1: the mean total reward is the sum of the functions' means.
+    assert reward == pytest.approx(accuracy + think, abs=1e-6)
+    assert "val/answer_accuracy" in metrics and report["num_rows"] == 8
+
+
+class _NotATensor:
+    """An object a weights_only load must refuse to unpickle."""
+
+
+def test_checkpoints_load_weights_only_locally(sft_run, tmp_path):
+    state = torch.load(sft_run[0] / "ckpt" / "step2.ckpt", weights_only=True)
+    state["extra"] = _NotATensor()
+    torch.save(state, tmp_path / "unsafe.ckpt")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        _evaluate([f"ckpt_path={tmp_path / 'unsafe.ckpt'}"], tmp_path / "unsafe")
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    with pytest.raises(ValueError, match="URL"):
+        checkpoint_to_load("https://example.com/last.ckpt", trainer)
+    with pytest.raises(FileNotFoundError):
+        checkpoint_to_load(str(tmp_path / "missing.ckpt"), trainer)
+    (tmp_path / "sharded.ckpt").mkdir()
+    with pytest.raises(ValueError, match=r"sharded \(FSDP\).*trainer=fsdp"):
+        checkpoint_to_load(str(tmp_path / "sharded.ckpt"), trainer)

@@ -1,0 +1,84 @@
+"""ExportHFModel's push_to_hub: the model card, the dry-run manifest, and the early offline failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import huggingface_hub
+import pytest
+from huggingface_hub import ModelCard
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from helpers import ROOT, compose_train
+from lightning_vlm.callbacks.export import ExportHFModel, model_card
+from lightning_vlm.training import train
+
+SHORT = [
+    "logger=none",
+    "callbacks=[none,export]",
+    "trainer.max_steps=2",
+    "trainer.val_check_interval=2",
+    "trainer.enable_progress_bar=false",
+    "data.batch_size=4",
+    "data.synthetic.num_val=8",
+    "data.val_batch_size=8",
+]
+
+
+@pytest.mark.slow  # a real train.py process
+def test_dry_run_writes_the_card_and_manifest_without_the_network(tmp_path):
+    # train.py itself, so Hydra saves the run's config (.hydra/config.yaml) that the card shows.
+    run = tmp_path / "run"
+    env = {**os.environ, "PROJECT_ROOT": str(tmp_path), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    args = [*SHORT, "callbacks.export.push_to_hub=dry_run", "callbacks.export.hub_model_id=me/tiny-sft",
+            f"hydra.run.dir={run}"]  # fmt: skip
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    folder = run / "hf_model"
+    AutoModelForImageTextToText.from_pretrained(folder)
+    AutoProcessor.from_pretrained(folder)
+
+    card = ModelCard.load(folder / "README.md")
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "image-text-to-text"
+    assert {"lightning-vlm", "sft"} <= set(card.data.tags)
+    assert card.data.base_model is None  # the tiny model is a local folder, not a Hub id
+    assert (run / ".hydra" / "config.yaml").read_text().strip() in card.text  # the composed config
+    assert "| `val/answer_accuracy` |" in card.text and "push_to_hub: dry_run" in card.text
+
+    manifest = json.loads((run / "hf_model.hub_manifest.json").read_text())
+    assert manifest["dry_run"] is True and manifest["repo_id"] == "me/tiny-sft"
+    sizes = {f["path"]: f["bytes"] for f in manifest["files"]}
+    assert sizes["model.safetensors"] == (folder / "model.safetensors").stat().st_size
+    assert {"config.json", "README.md", "tokenizer.json"} <= set(sizes)
+    assert manifest["total_bytes"] == sum(sizes.values())
+    assert "Would upload" in (run / "sft.log").read_text()
+
+
+def test_push_while_offline_fails_before_training(tmp_path, monkeypatch):
+    # HF_HUB_OFFLINE as huggingface_hub read it at import (what makes its uploads refuse).
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    overrides = [*SHORT, "callbacks.export.push_to_hub=true", "callbacks.export.hub_model_id=me/tiny-sft",
+                 "+callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+                 f"+callbacks.ckpt.dirpath={tmp_path / 'ckpt'}"]  # fmt: skip
+    with pytest.raises(RuntimeError, match="HF_HUB_OFFLINE=1") as failure:
+        train(compose_train(overrides, tmp_path))
+    assert any(entry.name == "setup" for entry in failure.traceback)  # raised from the setup hook
+    assert not (tmp_path / "hf_model").exists() and not (tmp_path / "ckpt").exists()
+
+
+def test_push_settings_are_checked_when_built(tmp_path):
+    with pytest.raises(ValueError, match="hub_model_id"):
+        ExportHFModel(str(tmp_path), push_to_hub=True)
+    with pytest.raises(ValueError, match="dry_run"):
+        ExportHFModel(str(tmp_path), push_to_hub="yes")
+
+
+def test_a_hub_base_model_goes_into_the_card_metadata():
+    card = model_card("Qwen/Qwen2.5-VL-3B-Instruct", "grpo", "task_name: grpo\n", "the config",
+                      {"val/reward": 0.5}, "me/tiny-grpo")  # fmt: skip
+    assert card.data.base_model == "Qwen/Qwen2.5-VL-3B-Instruct"
+    assert "grpo" in card.data.tags and "| `val/reward` | 0.5 |" in card.text
