@@ -5,16 +5,25 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 
-def _tiny_vlm(family: str) -> str:
-    # Imported lazily: composing a config must not build a model; resolving this value does
-    # (once per recipe, cached on disk, < 1 s).
-    from lightning_vlm.models.tiny import tiny_vlm_path
+def _tiny_vlm(family: str, start: str = "random") -> str:
+    # Imported lazily: composing a config must not build a model; resolving this value does (once
+    # per recipe, cached on disk: < 1 s for the random model, ~30 s for the SFT warm start).
+    if start == "random":
+        from lightning_vlm.models.tiny import tiny_vlm_path
 
-    return str(tiny_vlm_path(family))
+        return str(tiny_vlm_path(family))
+    if start == "sft":
+        from lightning_vlm.models.warm_start import tiny_sft_path
+
+        return str(tiny_sft_path(family))
+    raise ValueError(
+        f"tiny_start={start!r}: expected 'random' (the random tiny model) or 'sft' (its SFT warm start)"
+    )
 
 
 def register_resolvers() -> None:
-    """Registers `${tiny_vlm:<family>}` (path of an offline tiny model); safe to call twice."""
+    """Registers `${tiny_vlm:<family>[,random|sft]}` (path of an offline tiny model, or of its SFT
+    warm start); safe to call twice."""
     if not OmegaConf.has_resolver("tiny_vlm"):
         OmegaConf.register_new_resolver("tiny_vlm", _tiny_vlm, use_cache=True)
 

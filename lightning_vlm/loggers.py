@@ -50,3 +50,11 @@ def wandb_or_csv(
     except Exception as err:  # wandb missing or broken: keep the run, log to CSV
         log.warning("wandb unavailable (%s); logging to CSV in %s instead", err, save_dir)
         return CSVLogger(save_dir=save_dir, name=name or "csv")
+
+
+def finish_runs(loggers: list[Logger]) -> None:
+    """Ends the wandb runs these loggers started: the next job of a sweep (same process) would
+    otherwise log into this job's run, since WandbLogger reuses an active run."""
+    for lg in loggers:
+        if isinstance(lg, WandbLogger) and lg._experiment is not None:
+            lg.experiment.finish()

@@ -9,9 +9,13 @@ from typing import Any
 import hydra
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_vlm.config  # noqa: F401  (registers the ${tiny_vlm:...} resolver)
+from lightning_vlm.callbacks.run_report import finish_reports
+from lightning_vlm.loggers import finish_runs
+from lightning_vlm.models.scale_guard import check_model_scale
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +47,28 @@ def instantiate_group(cfg: DictConfig | None) -> list[Any]:
     ]
 
 
-def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
-    """Runs one training job; returns the final logged metrics and the objects it built."""
+def drop_refused(callbacks: list[Any], trainer_cfg: DictConfig, has_logger: bool) -> list[Any]:
+    """The default callbacks minus those Lightning refuses in this setting, so the flag or the missing
+    logger wins instead of an error: a ProgressBar next to ``enable_progress_bar=false``, a
+    LearningRateMonitor with ``logger=none``."""
+    if not trainer_cfg.get("enable_progress_bar", True):
+        callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
+    if not has_logger:
+        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+    return callbacks
+
+
+def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
+    """Seeds, checks the model against its settings, and builds the datamodule and the method module
+    (with its VLM): what train.py and eval.py share."""
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     if cfg.get("float32_matmul_precision"):
         torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
-
+    scale = cfg.get("scale") or {}
+    check_model_scale(
+        scale.get("name"), cfg.model.model_name_or_path, cfg.model.get("trust_remote_code", False)
+    )
     log.info("Instantiating datamodule <%s>", cfg.data._target_)
     datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data, _convert_="all")
     log.info("Instantiating model <%s>", cfg.model._target_)
@@ -58,9 +77,14 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     # The method receives the network (Lightning style: the system apart from the model).
     # _convert_="all": plain containers in hparams, so checkpoints load with weights_only=True.
     module: L.LightningModule = hydra.utils.instantiate(cfg.method, vlm=vlm, _convert_="all")
+    return datamodule, module
 
-    callbacks = instantiate_group(cfg.get("callbacks"))
+
+def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
+    """Runs one training job; returns the final logged metrics and the objects it built."""
+    datamodule, module = build(cfg)
     loggers = instantiate_group(cfg.get("logger"))
+    callbacks = drop_refused(instantiate_group(cfg.get("callbacks")), cfg.trainer, bool(loggers))
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     check_launch(trainer)
 
@@ -68,10 +92,13 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     initial: dict[str, float] = {}
     if cfg.get("validate_before_fit"):
-        initial = {
-            k: float(v) for k, v in trainer.validate(module, datamodule=datamodule, verbose=False)[0].items()
-        }
-        log.info("Metrics before training: %s", initial)
+        # A resumed run starts from the checkpoint's weights, so that is the baseline to score; fit
+        # below restores the checkpoint again (weights, optimizer, loops), so the resume is unchanged.
+        results = trainer.validate(
+            module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), verbose=False
+        )
+        initial = {k: float(v) for k, v in results[0].items()}
+        log.info("Metrics before training (%s): %s", cfg.get("ckpt_path") or "initial weights", initial)
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     wanted = cfg.get("optimized_metric")
     if wanted and wanted not in trainer.callback_metrics and trainer.limit_val_batches != 0:
@@ -82,6 +109,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
     log.info("Final metrics: %s", metrics)
+    finish_reports(trainer)  # curves and paths: the run's last lines, after any final validation
+    finish_runs(loggers)
     return metrics, {
         "initial_metrics": initial,
         "trainer": trainer,

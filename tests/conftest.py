@@ -29,45 +29,10 @@ def tiny_path():
 
 
 @pytest.fixture(scope="session")
-def sft_warm_start(tmp_path_factory):
-    """Returns a function steps -> folder of the tiny Qwen2.5-VL after `steps` SFT steps on the
-    synthetic task (seed 0): the shared warm start of the preference and online-RL learning tests.
+def sft_warm_start():
+    """Returns a function -> folder of the tiny Qwen2.5-VL's SFT warm start: the one the default online
+    and preference jobs start from (``tiny_start=sft``), built once by train.py and cached on disk,
+    keyed by the tiny recipe and the training code (``lightning_vlm/models/warm_start.py``)."""
+    from lightning_vlm.models.warm_start import tiny_sft_path
 
-    Built once per session and per `steps`, and cached on disk under the tiny-model cache keyed by
-    the tiny recipe, so repeated test runs reuse it.
-    """
-    from helpers import compose_train
-    from lightning_vlm.models.tiny import default_cache_dir, recipe_hash
-    from lightning_vlm.training import train
-
-    built: dict[int, str] = {}
-
-    def get(steps: int = 80, lr: float = 1e-3) -> str:
-        if steps in built:
-            return built[steps]
-        key = f"sft-warm-{recipe_hash('qwen2_5_vl', 0)}-s{steps}-lr{lr:g}-v1"
-        out = default_cache_dir() / key
-        if not (out / "config.json").is_file():
-            tmp = tmp_path_factory.mktemp(key)
-            cfg = compose_train(
-                [
-                    "logger=none",
-                    "callbacks=none",
-                    f"trainer.max_steps={steps}",
-                    f"trainer.val_check_interval={steps}",
-                    "trainer.limit_val_batches=0",
-                    "trainer.enable_progress_bar=false",
-                    f"method.optimizer.lr={lr}",
-                    "+callbacks.export._target_=lightning_vlm.callbacks.export.ExportHFModel",
-                    f"+callbacks.export.dirpath={tmp / 'model'}",
-                ],
-                tmp,
-            )
-            train(cfg)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            if not (out / "config.json").is_file():
-                os.replace(tmp / "model", out)  # atomic: concurrent sessions never see half a folder
-        built[steps] = str(out)
-        return built[steps]
-
-    return get
+    return lambda family="qwen2_5_vl": str(tiny_sft_path(family))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -38,11 +39,57 @@ def test_train_py_default_config_runs_a_few_steps(tmp_path):
     assert list((run / "wandb").glob("offline-run-*")), "wandb should have written an offline run"
 
 
+METHODS = ["sft", "dpo", "mpo", "grpo", "gspo", "rloo", "online_dpo"]
+
+
 @pytest.mark.slow
-def test_train_py_multirun_sweeps_across_methods_and_values(tmp_path):
-    proc = _run(["-m", "debug=fdr", "method=sft,dpo,grpo", "method.optimizer.lr=1e-3,3e-3"], tmp_path)
+def test_train_py_runs_two_steps_of_every_method_in_one_sweep_and_exits_0(tmp_path):
+    # Each job ends before its first validation (val_check_interval 100): it validates its final weights
+    # once, so the sweep summary gets every job's metric.
+    proc = _run(["-m", f"method={','.join(METHODS)}", "trainer.max_steps=2", "data.synthetic.num_val=8",
+                 "data.val_batch_size=8", "logger=csv"], tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     jobs = sorted((tmp_path / "logs").glob("*/multiruns/*/[0-9]*"))
-    assert len(jobs) == 6
+    assert len(jobs) == len(METHODS)
+    assert all((job / "checkpoints" / "last.ckpt").is_file() for job in jobs)
     overrides = "".join((job / ".hydra" / "overrides.yaml").read_text() for job in jobs)
-    assert all(f"method={m}" in overrides for m in ("sft", "dpo", "grpo"))
+    assert all(f"method={m}" in overrides for m in METHODS)
+    # one summary for the sweep (in the base config's sweep folder): every job, its metric, the best
+    (summary_file,) = (tmp_path / "logs").glob("*/multiruns/*/summary.json")
+    summary = json.loads(summary_file.read_text())
+    assert len(summary["jobs"]) == len(METHODS) and all(j["status"] == "completed" for j in summary["jobs"])
+    assert all(isinstance(j["value"], float) for j in summary["jobs"])  # each job validated its weights
+    assert summary["best"]["value"] == max(j["value"] for j in summary["jobs"])
+    assert "| job | value |" in (summary_file.parent / "summary.md").read_text()
+    assert "Sweep best" in proc.stderr + proc.stdout
+
+
+@pytest.mark.slow
+def test_optuna_sweep_runs_trials_and_writes_its_summary(tmp_path):
+    proc = _run(["-m", "hparams_search=sft_optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.n_startup_trials=2",
+                 "trainer.max_steps=2", "data.synthetic.num_val=8", "data.synthetic.num_train=64"], tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (sweep,) = (tmp_path / "logs" / "sft" / "multiruns").iterdir()
+    summary = json.loads((sweep / "summary.json").read_text())
+    assert summary["metric"] == "val/answer_accuracy" and len(summary["jobs"]) == 2
+    lrs = [next(o for o in j["overrides"] if o.startswith("method.optimizer.lr=")) for j in summary["jobs"]]
+    assert len(set(lrs)) == 2  # Optuna sampled two learning rates
+    results = (sweep / "optimization_results.yaml").read_text()  # the plugin's own record
+    assert "best_value" in results and summary["best"] is not None
+
+
+@pytest.mark.slow
+def test_train_py_on_a_data_file_without_validation_and_without_a_progress_bar_exits_0(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (32, 32), (255, 0, 0)).save(tmp_path / "red.png")
+    row = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Color?"}]},
+                        {"role": "assistant", "content": [{"type": "text", "text": "red"}]}], "images": ["red.png"]}  # fmt: skip
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(row) for _ in range(8)))
+    proc = _run([f"data.train={tmp_path / 'train.jsonl'}", "data.batch_size=4", "trainer.max_steps=2",
+                 "trainer.enable_progress_bar=false", "logger=csv"], tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    output = proc.stdout + proc.stderr  # Hydra's console log handler writes to stdout
+    assert "was not logged (no validation ran)" in output
+    assert "Epoch 0:" not in output  # no progress bar
+    assert next((tmp_path / "logs" / "sft" / "runs").iterdir()).joinpath("checkpoints", "last.ckpt").is_file()

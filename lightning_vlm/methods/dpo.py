@@ -21,12 +21,19 @@ from lightning_vlm.generation.base import SamplingSettings
 from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.losses.preference import PreferenceInputs, RunningMean, weighted_preference_loss
 from lightning_vlm.methods.common import clip_gradients, configure_optimizers, message_text
+from lightning_vlm.methods.completions import CompletionRecorder, answer_samples
 from lightning_vlm.methods.preference_batch import encode_pairs, split_pairs
 from lightning_vlm.methods.reference_cache import ReferenceLogpCache, model_key, weights_fingerprint
+from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_tokens
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
 from lightning_vlm.parallel.collectives import all_gather_object, gather_cat, mean_normalizer
 from lightning_vlm.rewards.accuracy import answers_match
+
+
+def chosen_answers(rows: list[dict]) -> list[str]:
+    """The reference answers validation scores greedy generations against: each row's last chosen turn."""
+    return [message_text(row["chosen"][-1]) for row in rows]
 
 
 class DPO(L.LightningModule):
@@ -45,9 +52,11 @@ class DPO(L.LightningModule):
         ref_cache_dir: str | None = None,
         one_vision_pass: bool = True,
         max_length: int | None = None,
-        val_max_new_tokens: int = 4,
+        val_max_new_tokens: int | None = None,
     ) -> None:
+        """``val_max_new_tokens=None``: the longest chosen answer of the validation set + a margin."""
         super().__init__()
+        check_setting(val_max_new_tokens)
         if isinstance(loss_type, str):
             raise TypeError(
                 f"loss_type must be a list of names, e.g. [{loss_type}], not the string {loss_type!r}"
@@ -70,6 +79,8 @@ class DPO(L.LightningModule):
         self.bco_delta = RunningMean()  # BCO's δ: a buffer, so it is checkpointed
         self.val_metrics = torch.nn.ModuleDict({self._slot(n): MeanMetric() for n in self.metric_names})
         self.val_answer_accuracy = MeanMetric()
+        self.completion_recorder = CompletionRecorder()  # filled when LogCompletions asks
+        self.val_new_tokens: int | None = None  # val_max_new_tokens, resolved at the first validation
         self.ref_cache: ReferenceLogpCache | None = None
         # The reference weights are the initial weights: fingerprint them before any step changes them.
         self._ref_fingerprint = weights_fingerprint(vlm.model) if precompute_ref_logps else None
@@ -107,6 +118,16 @@ class DPO(L.LightningModule):
             cache.put(rows, *self._compute_ref(batch))
         chosen, rejected = cache.get(rows)
         return chosen.to(self.device, torch.float32), rejected.to(self.device, torch.float32)
+
+    def on_validation_start(self) -> None:
+        # validate_before_fit and eval.py validate before (or without) fit: the frozen copy, not a
+        # registered submodule, follows the policy's device here too.
+        if self.ref is not None:
+            self.ref.to(self.device)
+        if self.val_new_tokens is None:  # once per run (validations run every val_check_interval)
+            self.val_new_tokens = resolve_val_max_new_tokens(
+                self.hparams.val_max_new_tokens, self.trainer.datamodule, chosen_answers, self.vlm.tokenizer
+            )
 
     def on_fit_start(self) -> None:
         if self.ref is not None:
@@ -177,15 +198,16 @@ class DPO(L.LightningModule):
             metric = self.val_metrics[self._slot(name)]
             metric.update(value, weight=len(rows))
             self.log(f"val/{name}", metric, prog_bar=name == "rewards/accuracies", batch_size=len(rows))
-        greedy = SamplingSettings(
-            max_new_tokens=self.hparams.val_max_new_tokens, temperature=0.0, do_sample=False
-        )
+        greedy = SamplingSettings(max_new_tokens=self.val_new_tokens, temperature=0.0, do_sample=False)
         rollouts = self.generator.generate(rows, num_generations=1, sampling=greedy)
-        references = [message_text(row["chosen"][-1]) for row in rows]
+        references = chosen_answers(rows)
         hits = [
             float(answers_match(t, r)) for t, r in zip(rollouts.completion_texts, references, strict=True)
         ]
         self.val_answer_accuracy.update(torch.tensor(hits, device=self.device))
+        if self.completion_recorder.wants("val"):
+            samples = answer_samples(rows, rollouts.completion_texts, references, hits)
+            self.completion_recorder.record("val", samples)
         self.log("val/answer_accuracy", self.val_answer_accuracy, prog_bar=True, batch_size=len(rows))
 
     def on_train_epoch_end(self) -> None:

@@ -1,0 +1,95 @@
+"""A summary of every Hydra multirun: each job's optimised metric and overrides, and the best one.
+
+Hydra's sweepers (basic, Optuna) hand each job's return value (train.py returns
+``optimized_metric``) to the callbacks in ``hydra.callbacks``; this one collects them and writes
+``summary.json`` and ``summary.md`` to the sweep folder when the multirun ends, and logs the best
+job, so nobody has to dig through job folders to find which settings won.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
+
+
+def _rank() -> int:
+    # torchrun sweeps run every job on every rank; one summary is enough.
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def best_job(jobs: list[dict[str, Any]], mode: str) -> dict[str, Any] | None:
+    """The finished job with the best value (``mode`` max or min); ``None`` when none reported one."""
+    scored = [j for j in jobs if isinstance(j["value"], (int, float)) and math.isfinite(j["value"])]
+    if not scored:
+        return None
+    return (max if mode == "max" else min)(scored, key=lambda j: j["value"])
+
+
+class SweepSummary(Callback):
+    """Hydra callback: records each job's result and writes the sweep's summary at the end."""
+
+    def __init__(self, filename: str = "summary") -> None:
+        self.filename = filename
+        self.jobs: list[dict[str, Any]] = []
+        self.metric: str | None = None
+        self.mode = "max"
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.jobs = []
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        self.metric = config.get("optimized_metric")
+        self.mode = config.get("monitor_mode", "max")
+        failed = job_return.status == JobStatus.FAILED
+        # JobReturn.return_value re-raises a failed job's exception; the stored value is what to report
+        value = None if failed else job_return.return_value
+        self.jobs.append({
+            "job": config.hydra.job.get("num"),
+            "overrides": list(job_return.overrides or []),
+            # per job: a sweep across methods optimises each method's own metric
+            "metric": self.metric,
+            "value": float(value) if isinstance(value, (int, float)) else None,
+            "status": "failed" if failed else "completed",
+            "error": repr(job_return._return_value) if failed else None,
+            "dir": str(config.hydra.runtime.output_dir),
+        })  # fmt: skip
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if _rank() != 0 or not self.jobs:
+            return
+        out = Path(str(config.hydra.sweep.dir))
+        out.mkdir(parents=True, exist_ok=True)
+        best = best_job(self.jobs, self.mode)
+        summary = {"metric": self.metric, "mode": self.mode, "best": best, "jobs": self.jobs}
+        (out / f"{self.filename}.json").write_text(json.dumps(summary, indent=2))
+        (out / f"{self.filename}.md").write_text(render_markdown(summary))
+        if best is None:
+            log.warning("Sweep finished: no job reported %s (summary in %s)", self.metric, out)
+        else:
+            log.info("Sweep best %s=%.4f with %s (job %s); summary in %s",
+                     self.metric, best["value"], " ".join(best["overrides"]), best["job"], out)  # fmt: skip
+
+
+def render_markdown(summary: dict[str, Any]) -> str:
+    """The summary as a Markdown table, best first (what a user pastes into a report)."""
+    reverse = summary["mode"] == "max"
+    rows = sorted(
+        summary["jobs"],
+        key=lambda j: (j["value"] is None, -(j["value"] or 0) if reverse else (j["value"] or 0)),
+    )
+    lines = [f"# Sweep: {summary['metric']} ({summary['mode']})", "", "| job | value | status | overrides |",
+             "| --- | --- | --- | --- |"]  # fmt: skip
+    for j in rows:
+        value = "" if j["value"] is None else f"{j['value']:.4f}"
+        lines.append(f"| {j['job']} | {value} | {j['status']} | `{' '.join(j['overrides'])}` |")
+    return "\n".join(lines) + "\n"
