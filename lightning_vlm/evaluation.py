@@ -17,6 +17,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_vlm.ckpt_path import checkpoint_to_load, restore_errors
 from lightning_vlm.methods.dpo import DPO
 from lightning_vlm.training import build, drop_refused, instantiate_group
 
@@ -42,36 +43,6 @@ class RowCounter(L.Callback):
         return int(trainer.strategy.reduce(count, reduce_op="sum").item())
 
 
-def checkpoint_to_load(ckpt_path: str | None, trainer: L.Trainer) -> str | None:
-    """The local checkpoint ``trainer.validate`` may load, or a ``ValueError`` saying why not.
-
-    URLs are refused (a checkpoint is fetched by hand, then loaded with ``weights_only=True``); a
-    folder (FSDP's sharded checkpoints, DeepSpeed's) loads only through the strategy that wrote it.
-    """
-    if not ckpt_path:
-        return None
-    if "://" in str(ckpt_path):
-        raise ValueError(
-            f"ckpt_path={ckpt_path!r} is a URL: eval.py loads local files only (with weights_only=True). "
-            "Download the checkpoint and pass its path."
-        )
-    path = Path(ckpt_path)
-    if not path.exists():
-        raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such file or folder")
-    if path.is_dir():
-        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
-
-        if not isinstance(trainer.strategy, FSDPStrategy | DeepSpeedStrategy):
-            raise ValueError(
-                f"ckpt_path={ckpt_path!r} is a folder: a sharded (FSDP) or DeepSpeed checkpoint, which "
-                f"loads only through the strategy that wrote it (this trainer's is "
-                f"{type(trainer.strategy).__name__}). Evaluate it with the training run's strategy, e.g. "
-                "`trainer=fsdp trainer.devices=<N>`, or evaluate the HF folder an ExportHFModel callback "
-                "wrote (`model.model_name_or_path=<dir>`)."
-            )
-    return str(path)
-
-
 def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     """Scores ``cfg.ckpt_path`` (or ``cfg.model``'s weights) on the validation set; returns the report
     and where it was written (rank 0 writes it)."""
@@ -90,9 +61,10 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
             cfg.model.model_name_or_path,
         )
 
-    results = trainer.validate(
-        module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False
-    )
+    with restore_errors(ckpt_path, module):
+        results = trainer.validate(
+            module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False
+        )
     rows = counter.total(trainer)
     if not results or rows == 0:
         raise ValueError(

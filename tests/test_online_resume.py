@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import lightning as L
 import torch
 
 from helpers import compose_train
@@ -56,11 +55,8 @@ def _train_recording(cfg, seen):
         OnlineRL.score = original
 
 
-def test_resume_matches_an_uninterrupted_run(tmp_path, sft_warm_start, monkeypatch):
-    # The DataModule's hparams hold DictConfigs, which torch.load(weights_only=True) refuses; our own
-    # checkpoints are trusted. (The module's own hparams are plain values.)
-    fit = L.Trainer.fit
-    monkeypatch.setattr(L.Trainer, "fit", lambda self, *a, **k: fit(self, *a, **{**k, "weights_only": False}))
+def test_resume_matches_an_uninterrupted_run(tmp_path, sft_warm_start):
+    # train() loads checkpoints with weights_only=True: hparams are plain values (instantiate _convert_="all")
     warm = sft_warm_start()
     ckpt = str(tmp_path / "mid.ckpt")
     # Two optimizer steps per generation: 4 steps = 2 generations (one epoch), then one more generation.

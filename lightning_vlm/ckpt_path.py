@@ -1,0 +1,82 @@
+"""``ckpt_path``, as train.py and eval.py accept it: local files only, and errors that name it.
+
+Checkpoints load with ``weights_only=True`` (:class:`lightning_vlm.checkpoint_io.AtomicCheckpointIO`):
+tensors and plain values, never code from the file. Lightning would download a URL and unpickle it with
+``weights_only=False``, so URLs are refused here, before anything loads.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import lightning as L
+
+# Lightning resolves these itself, to files its checkpoint callbacks wrote (loaded like any other path).
+LIGHTNING_KEYWORDS = ("last", "best", "hpc")
+
+
+def checkpoint_to_load(ckpt_path: str | None, trainer: L.Trainer) -> str | None:
+    """The local checkpoint ``trainer.fit``/``trainer.validate`` may load, or an error saying why not.
+
+    URLs are refused (a checkpoint is fetched by hand, then loaded with ``weights_only=True``); a
+    folder (FSDP's sharded checkpoints, DeepSpeed's) loads only through the strategy that wrote it.
+    """
+    if not ckpt_path:
+        return None
+    if str(ckpt_path) in LIGHTNING_KEYWORDS:
+        return str(ckpt_path)
+    if "://" in str(ckpt_path):
+        raise ValueError(
+            f"ckpt_path={ckpt_path!r} is a URL: train.py and eval.py load local files only (with "
+            "weights_only=True). Download the checkpoint and pass its path."
+        )
+    path = Path(ckpt_path)
+    if not path.exists():
+        raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such file or folder")
+    if path.is_dir():
+        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+        if not isinstance(trainer.strategy, FSDPStrategy | DeepSpeedStrategy):
+            raise ValueError(
+                f"ckpt_path={ckpt_path!r} is a folder: a sharded (FSDP) or DeepSpeed checkpoint, which "
+                f"loads only through the strategy that wrote it (this trainer's is "
+                f"{type(trainer.strategy).__name__}). Load it with the training run's strategy, e.g. "
+                "`trainer=fsdp trainer.devices=<N>`, or use the HF folder an ExportHFModel callback "
+                "wrote (`model.model_name_or_path=<dir>`)."
+            )
+    return str(path)
+
+
+# Lightning's functions that read ckpt_path and load its weights into the module.
+_RESTORING = {"resume_start", "restore_model"}
+
+
+def _raised_restoring(err: BaseException) -> bool:
+    return any(
+        frame.f_code.co_name in _RESTORING and frame.f_code.co_filename.endswith("checkpoint_connector.py")
+        for frame, _ in traceback.walk_tb(err.__traceback__)
+    )
+
+
+@contextmanager
+def restore_errors(ckpt_path: str | None, module: L.LightningModule) -> Iterator[None]:
+    """Re-raises a failure to load ``ckpt_path``'s weights into ``module`` (another method's checkpoint,
+    another model or LoRA setting: missing, unexpected or differently shaped weights) as a ``ValueError``
+    naming ``ckpt_path``; every other error passes unchanged."""
+    try:
+        yield
+    except RuntimeError as err:
+        if not ckpt_path or not _raised_restoring(err):
+            raise
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        detail = " ".join(lines[:3]).rstrip(".")
+        detail = detail if len(detail) <= 600 else detail[:600] + " ..."
+        raise ValueError(
+            f"ckpt_path={ckpt_path!r} does not fit this run's {type(module).__name__} module: {detail}. "
+            "A checkpoint loads into the method, model and LoRA setting that wrote it (pass the training "
+            "run's method=/model=/lora= overrides); to start another method from its weights, export them "
+            "(callbacks=[default,export]) and pass model.model_name_or_path=<that folder>."
+        ) from err

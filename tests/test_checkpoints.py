@@ -1,0 +1,140 @@
+"""Checkpoints that survive a crash: last.ckpt on a step schedule, atomic writes, weights-only loads.
+
+The faults are real: a write that runs out of disk in the middle of ``torch.save``, and a ``train.py``
+process SIGKILLed while it writes ``last.ckpt`` (tests/_checkpoint_probes.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from _checkpoint_probes import FaultyCheckpointIO, LastOnDisk, saved_step
+
+from helpers import ROOT, compose_train
+from lightning_vlm.checkpoint_io import AtomicCheckpointIO, CheckpointLoadError, stale_temps
+from lightning_vlm.training import train
+
+FAST = [
+    "logger=none",
+    "trainer.enable_progress_bar=false",
+    "data.batch_size=4",
+    "data.synthetic.num_train=64",  # 16 batches an epoch: every run below stays inside epoch 0
+    "data.synthetic.num_val=8",
+    "data.val_batch_size=8",
+]
+CHECKPOINTS_ONLY = [*FAST, "callbacks=model_checkpoint"]
+
+
+def _weights(out) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in out["module"].vlm.model.named_parameters()}
+
+
+def test_last_ckpt_follows_the_step_schedule_not_the_metric_and_resumes(tmp_path):
+    last = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    probe = ["+callbacks.probe._target_=_checkpoint_probes.LastOnDisk", f"+callbacks.probe.path={last}"]
+    schedule = ["callbacks.last_checkpoint.every_n_train_steps=2", "trainer.val_check_interval=3"]
+    _, out = train(
+        compose_train([*CHECKPOINTS_ONLY, *schedule, *probe, "trainer.max_steps=5"], tmp_path / "a")
+    )
+    (seen,) = [c.seen for c in out["trainer"].callbacks if isinstance(c, LastOnDisk)]
+    # Written at steps 2 and 4 (no validation there), not at the validation of step 3 (where the best
+    # checkpoint was written), and at the end of fit (step 5).
+    assert seen == {0: None, 1: None, 2: 2, 3: 2, 4: 4}
+    assert saved_step(last) == 5
+    best = out["trainer"].checkpoint_callback
+    assert best.monitor == "val/answer_accuracy" and best.best_model_path.endswith("step_000003.ckpt")
+    assert saved_step(tmp_path / "a" / "checkpoints" / "step_000003.ckpt") == 3
+    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt", "step_000003.ckpt"]
+
+    # The end-of-fit last.ckpt continues the run as if it had never stopped.
+    more = [*FAST, "callbacks=none", "trainer.val_check_interval=3", "trainer.max_steps=7"]
+    _, resumed = train(compose_train([*more, f"ckpt_path={last}"], tmp_path / "b"))
+    _, straight = train(compose_train(more, tmp_path / "c"))
+    assert resumed["trainer"].global_step == 7
+    a, b = _weights(straight), _weights(resumed)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_write_that_fails_midway_keeps_the_previous_file_and_leaves_no_temp(tmp_path):
+    target = tmp_path / "checkpoints" / "last.ckpt"
+    io = FaultyCheckpointIO(fault_on_save=2, after_bytes=4096, fault="disk_full")
+    io.save_checkpoint({"step": 1, "w": torch.ones(10_000)}, target)
+    # torch's zip writer reports the OSError from its file as a RuntimeError on the way out.
+    with pytest.raises((OSError, RuntimeError)):
+        io.save_checkpoint({"step": 2, "w": torch.zeros(10_000)}, target)
+    assert io.load_checkpoint(target)["step"] == 1
+    # Each write went to a temporary file beside the target (the same filesystem: os.replace is atomic).
+    assert [p.parent for p in io.temp_files] == [target.parent] * 2
+    assert sorted(p.name for p in target.parent.iterdir()) == ["last.ckpt"]
+
+
+@pytest.mark.slow
+def test_kill_9_while_writing_last_ckpt_leaves_the_previous_one_loadable(tmp_path):
+    run = tmp_path / "run"
+    # The second write of last.ckpt (step 4) is SIGKILLed after 256 KiB of torch.save's output (of ~5 MB).
+    plugin = "{_target_:_checkpoint_probes.FaultyCheckpointIO,fault_on_save:2,after_bytes:262144}"
+    args = [*CHECKPOINTS_ONLY, "trainer.max_steps=6", "trainer.limit_val_batches=0",
+            "callbacks.last_checkpoint.every_n_train_steps=2", f"trainer.plugins=[{plugin}]",
+            f"hydra.run.dir={run}"]  # fmt: skip
+    threads = os.environ.get("LIGHTNING_VLM_TEST_THREADS", "2")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
+           "OMP_NUM_THREADS": threads}  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.returncode == -9, proc.stderr[-4000:]
+    last = run / "checkpoints" / "last.ckpt"
+    (partial,) = stale_temps(last)  # the killed write's temporary file, beside last.ckpt
+    assert partial.stat().st_size >= 262144 and partial.stat().st_size < last.stat().st_size
+    state = torch.load(last, weights_only=True)
+    assert state["global_step"] == 2 and state["state_dict"] and state["optimizer_states"]
+    # The next complete write of last.ckpt removes what the killed one left.
+    AtomicCheckpointIO().save_checkpoint(state, last)
+    assert stale_temps(last) == [] and saved_step(last) == 2
+
+
+def test_a_url_ckpt_path_is_refused_before_anything_loads(tmp_path):
+    url = "https://example.com/checkpoints/last.ckpt"
+    with pytest.raises(ValueError, match=r"ckpt_path='https://example\.com/checkpoints/last\.ckpt' is a URL"):
+        train(compose_train([*FAST, "callbacks=none", f"ckpt_path={url}"], tmp_path))
+
+
+def _load_error(ckpt, tmp_path) -> BaseException:
+    with pytest.raises(ValueError) as info:
+        train(compose_train([*FAST, "callbacks=none", "trainer.max_steps=1", f"ckpt_path={ckpt}"], tmp_path))
+    return info.value
+
+
+def test_random_bytes_and_truncated_files_are_refused_naming_ckpt_path(tmp_path):
+    noise = tmp_path / "noise.ckpt"
+    noise.write_bytes(os.urandom(65536))
+    err = _load_error(noise, tmp_path / "a")
+    assert isinstance(err, CheckpointLoadError) and f"ckpt_path={str(noise)!r}" in str(err)
+    assert "Weights only load failed" in str(err)
+    # torch's own text suggests loading with weights_only=False (running the file's code): not passed on.
+    assert "weights_only=False" not in str(err) and "weights_only` set to `False" not in str(err)
+    assert err.__cause__ is None and err.__suppress_context__
+
+    whole = tmp_path / "whole.ckpt"
+    torch.save({"w": torch.ones(10_000)}, whole)
+    cut = tmp_path / "cut.ckpt"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    err = _load_error(cut, tmp_path / "b")
+    assert isinstance(err, CheckpointLoadError) and f"ckpt_path={str(cut)!r}" in str(err)
+    assert "truncated" in str(err)
+
+
+def test_a_dpo_checkpoint_given_to_sft_names_ckpt_path(tmp_path):
+    # DPO from the random tiny model (no warm start needed): one step, its last.ckpt at the end of fit.
+    dpo = ["method=dpo", "tiny_start=random", "trainer.max_steps=1", "trainer.limit_val_batches=0"]
+    train(compose_train([*CHECKPOINTS_ONLY, *dpo], tmp_path / "dpo"))
+    ckpt = tmp_path / "dpo" / "checkpoints" / "last.ckpt"
+    err = _load_error(ckpt, tmp_path / "sft")
+    assert f"ckpt_path={str(ckpt)!r} does not fit this run's SFT module" in str(err)
+    assert "Unexpected key(s)" in str(err) and "method=" in str(err)
