@@ -61,7 +61,9 @@ def decode_image(data: str, max_pixels: int) -> Any:
         size = (max(1, int(image.width * scale)), max(1, int(image.height * scale)))
         log.warning("image %sx%s downscaled to %sx%s (--max-image-pixels)", *image.size, *size)
         image = image.resize(size)
-    return image.convert("RGB")
+    from lightning_vlm.data.images import to_rgb  # not image.convert: it blackens alpha, clips 16 bits
+
+    return to_rgb(image)
 
 
 class Engine:

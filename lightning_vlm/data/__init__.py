@@ -8,12 +8,15 @@ from lightning_vlm.data.datamodule import (
     VLMDataModule,
     collate_rows,
 )
-from lightning_vlm.data.rows import RowError, load_row, normalize_row, open_image
+from lightning_vlm.data.images import load_row, open_image, to_rgb
+from lightning_vlm.data.rows import RowError, normalize_row
+from lightning_vlm.data.skips import NoRowsError
 from lightning_vlm.data.sources import Source, SourceError, load_source, synthetic_source
 from lightning_vlm.data.synthetic import VOCABULARY, make_sample, synthetic_rows
 
 __all__ = [
     "VOCABULARY",
+    "NoRowsError",
     "PreferenceDataModule",
     "PromptDataModule",
     "RowDataset",
@@ -30,4 +33,5 @@ __all__ = [
     "open_image",
     "synthetic_rows",
     "synthetic_source",
+    "to_rgb",
 ]

@@ -13,7 +13,6 @@ reward functions, ids for debugging). Every problem raises :class:`RowError`, na
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ REASONS: tuple[str, ...] = (
     "image_count_mismatch",
     "missing_image",
     "corrupt_image",
+    "no_answer",
 )
 # Keys that would carry an image inside a content block; we only support images in the image columns,
 # so that the count check below has one place to look.
@@ -164,7 +164,9 @@ def _image_refs(row: Mapping, at: _Row, base_dir: Path | None, check_files: bool
 
 def _require(row: Mapping, at: _Row, column: str) -> Any:
     if row.get(column) is None:
-        at.fail(column, "missing_column", f"missing required column {column!r} (columns: {sorted(row)})")
+        # Stored datasets hold every file-wide column in every row, None where absent: list real ones.
+        present = sorted(k for k, v in row.items() if v is not None)
+        at.fail(column, "missing_column", f"missing required column {column!r} (columns: {present})")
     return row[column]
 
 
@@ -182,6 +184,18 @@ def _check_count(at: _Row, column: str, blocks: int, images: int) -> None:
             "image_count_mismatch",
             f"{blocks} {{'type': 'image'}} block(s) in the messages but {images} image(s) in the row",
         )
+
+
+def _check_answer(at: _Row, column: str, messages: list[dict]) -> None:
+    # SFT trains on assistant tokens only: without an assistant turn (or with only empty ones) the
+    # row would add nothing but padding to its batch, silently.
+    answers = [
+        b["text"] for m in messages if m["role"] == "assistant" for b in m["content"] if b["type"] == "text"
+    ]
+    if not any(a.strip() for a in answers):
+        roles = [m["role"] for m in messages]
+        what = "an empty assistant turn" if answers else "no assistant turn"
+        at.fail(column, "no_answer", f"SFT row with {what} (roles: {roles}): it has nothing to train on")
 
 
 def normalize_row(
@@ -217,6 +231,7 @@ def normalize_row(
         if images and not typed:
             _insert_image_blocks(messages, len(images))
         _check_count(at, used[0], _count_images(messages), len(images))
+        _check_answer(at, used[-1], messages)
         out["messages"] = messages
     elif shape == "preference":
         chosen_raw, rejected_raw = _require(row, at, "chosen"), _require(row, at, "rejected")
@@ -260,28 +275,3 @@ def normalize_row(
         used = ("prompt",)
     passthrough = {k: v for k, v in row.items() if k not in (*used, "image", "images")}
     return {**passthrough, **out, "images": images}
-
-
-def open_image(ref: ImageRef, index: int = 0, source: str = "data", column: str = "images") -> Image.Image:
-    """Load one image reference as an RGB PIL image; a missing or corrupt file raises RowError."""
-    try:
-        if isinstance(ref, Image.Image):
-            return ref.convert("RGB")
-        with Image.open(io.BytesIO(ref) if isinstance(ref, bytes) else ref) as image:
-            image.load()  # decode now, so a truncated file fails here and not inside the model
-            return image.convert("RGB")
-    except FileNotFoundError as e:
-        raise RowError(source, index, column, "missing_image", f"image file not found: {ref}") from e
-    except (OSError, ValueError, SyntaxError) as e:  # PIL's errors for unreadable files
-        what = ref if isinstance(ref, str) else "image bytes"
-        raise RowError(source, index, column, "corrupt_image", f"cannot decode {what}: {e}") from e
-
-
-def load_row(
-    row: Mapping, shape: str, index: int = 0, source: str = "data", base_dir: str | os.PathLike | None = None
-) -> dict:
-    """Normalise one raw row and load its images (RGB PIL); the form DataModules yield."""
-    out = normalize_row(row, shape, index, source, base_dir, check_files=False)
-    column = "image" if row.get("image") is not None else "images"
-    out["images"] = [open_image(ref, index, source, column) for ref in out["images"]]
-    return out

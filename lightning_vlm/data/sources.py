@@ -13,15 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_vlm.data.files import FILE_BUILDERS, SourceError, load_file
 from lightning_vlm.data.synthetic import ROW_BUILDERS, make_sample
 
-FILE_BUILDERS: dict[str, str] = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 SPEC_KEYS: tuple[str, ...] = ("path", "subset", "split", "num_samples", "seed", "kinds", "image_size")
 SYNTHETIC_DEFAULTS: dict[str, Any] = {"num_samples": 256, "seed": 0, "kinds": ("color",), "image_size": 112}
-
-
-class SourceError(RuntimeError):
-    """A source could not be found or loaded; the message says which and what to try instead."""
 
 
 @dataclass
@@ -123,17 +119,8 @@ def _from_disk(folder: Path, split: str) -> Source:
 
 
 def _from_file(path: Path) -> Source:
-    import datasets
-
-    builder = FILE_BUILDERS.get(path.suffix.lower())
-    if builder is None:
-        raise SourceError(
-            f"{path}: unsupported file type {path.suffix!r}; use one of {sorted(FILE_BUILDERS)}"
-        )
-    # A local file is one split whatever its name; `split` only selects within Hub datasets and
-    # DatasetDict folders, so a separate validation file just works.
-    dataset = datasets.load_dataset(builder, data_files=str(path), split="train")
-    return Source(DatasetRows(dataset), str(path), path.parent)
+    # files.load_file turns the loaders' errors into ones naming the file, line and byte offset.
+    return Source(DatasetRows(load_file(path)), str(path), path.parent)
 
 
 def _from_hub(name: str, subset: str | None, split: str) -> Source:

@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_vlm.data.rows import SHAPES, RowError, load_row, normalize_row
+from lightning_vlm.data.images import WHITE, load_row, rgb_background
+from lightning_vlm.data.rows import SHAPES, RowError, normalize_row
 
 # The conversation column each shape's template fills, and the one the system turn goes in front of.
 CONVERSATION: dict[str, str] = {"sft": "messages", "preference": "prompt", "prompt": "prompt"}
@@ -84,10 +85,13 @@ class RowFormat:
     prompt_template: str | None = None
     answer_template: str | None = None
     system_prompt: str | None = None
+    alpha_background: tuple[int, int, int] = WHITE  # what transparent pixels become (images.to_rgb)
 
     def __post_init__(self) -> None:
         if self.shape not in SHAPES:
             raise ValueError(f"unknown data shape {self.shape!r}; expected one of {SHAPES}")
+        # Checked (and made a tuple: Hydra gives lists) now, not when the first image is decoded.
+        object.__setattr__(self, "alpha_background", rgb_background(self.alpha_background))
         # Checked at construction, so a bad setting fails before any row is read.
         self._columns("prompt_template"), self._columns("answer_template")
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
@@ -148,4 +152,6 @@ class RowFormat:
 
     def load(self, row: Mapping, index: int, source: str, base_dir: Path | None) -> dict:
         """Normalise one raw row and decode its images (see ``load_row``): the form DataModules yield."""
-        return self.with_system(load_row(self.fill(row, index, source), self.shape, index, source, base_dir))
+        filled = self.fill(row, index, source)
+        loaded = load_row(filled, self.shape, index, source, base_dir, self.alpha_background)
+        return self.with_system(loaded)

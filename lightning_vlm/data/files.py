@@ -1,0 +1,149 @@
+"""Local data files (``.json``/``.jsonl``/``.parquet``) loaded with ``datasets``, and its failures explained.
+
+``datasets``' loaders fail on a bad file with whatever their parser raised: a bare ``StopIteration``
+for an empty file, "An error occurred while generating the dataset" for one bad JSON line, a
+``UnicodeDecodeError`` with an offset inside some buffer for non-UTF-8 bytes (and only once rows are
+read: Arrow's JSON reader stores them unchecked). So a JSON file is first checked to be UTF-8 (one
+streamed decode, about a second per GB), and only when that or the load fails do we parse the file
+ourselves to say what is wrong where (file, line, column, byte offset), as a :class:`SourceError`
+raised before training starts.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from pathlib import Path
+from typing import Any
+
+FILE_BUILDERS: dict[str, str] = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+_SNIPPET = 60  # characters of a bad line shown in the message
+_CHUNK = 1 << 24  # bytes per read of the UTF-8 check
+
+
+class SourceError(RuntimeError):
+    """A source could not be found or loaded; the message says which and what to try instead."""
+
+
+def _snippet(text: str) -> str:
+    return repr(text if len(text) <= _SNIPPET else text[:_SNIPPET] + "...")
+
+
+def _utf8_problem(data: bytes) -> str | None:
+    """Where the first non-UTF-8 bytes are (byte offset, line, column), or None if it all decodes."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        line_start = data.rfind(b"\n", 0, e.start) + 1
+        bad = data[e.start : e.end]
+        return (
+            f"not UTF-8: byte offset {e.start} (line {line}, byte {e.start - line_start + 1} of the line) "
+            f"holds {bad!r} ({e.reason}); JSON data files must be UTF-8: re-save the file as UTF-8, e.g. "
+            f"`iconv -f latin1 -t utf-8` if it is Latin-1"
+        )
+    return None
+
+
+def is_utf8(path: Path) -> bool:
+    """Whether the whole file decodes as UTF-8, read in chunks (a multi-GB file is never held whole)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with path.open("rb") as f:
+            while chunk := f.read(_CHUNK):
+                decoder.decode(chunk)
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _json_lines_problem(text: str) -> str | None:
+    """The first line of a JSON Lines text that is not one JSON object, or None if every line is."""
+    rows = 0
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue  # blank lines are allowed (and skipped) by the loader
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            return f"line {number}, column {e.colno}: invalid JSON ({e.msg}): {_snippet(line)}"
+        if not isinstance(row, dict):
+            return (
+                f"line {number} is a JSON {type(row).__name__}, not an object: JSON Lines data holds one "
+                f"row (an object of columns) per line"
+            )
+        rows += 1
+    return (
+        None
+        if rows
+        else "the file has no rows (only blank lines); a JSON Lines file holds one object per line"
+    )
+
+
+def _json_document_problem(text: str) -> str | None:
+    """What is wrong with a whole-file JSON document (a list of row objects), or None."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        return f"line {e.lineno}, column {e.colno}: invalid JSON ({e.msg})"
+    if isinstance(data, list):
+        if not data:
+            return "the file has no rows (an empty JSON list)"
+        bad = next((i for i, row in enumerate(data) if not isinstance(row, dict)), None)
+        if bad is not None:
+            return f"item {bad} of the JSON list is a {type(data[bad]).__name__}, not a row object"
+    return None
+
+
+def json_problem(path: Path) -> str | None:
+    """What makes ``path`` unloadable as JSON/JSON Lines data, or None if we find nothing wrong."""
+    data = path.read_bytes()
+    if not data.strip():
+        return (
+            "the file is empty" + (" (0 bytes)" if not data else " (only whitespace)") + ": it holds no rows"
+        )
+    problem = _utf8_problem(data)
+    if problem:
+        return problem
+    text = data.decode("utf-8").removeprefix("\ufeff")  # a byte order mark is not the data's fault
+    # `datasets` reads .json files as JSON Lines too (one object per line), and .jsonl files that hold
+    # a single JSON list: judge the file by what it looks like, not by its name.
+    if text.lstrip().startswith("["):
+        return _json_document_problem(text)
+    return _json_lines_problem(text)
+
+
+def _innermost(error: BaseException) -> BaseException:
+    """The root cause of a chained exception: the parser's own message, not the loader's wrapper."""
+    seen = {id(error)}
+    while (cause := error.__cause__ or error.__context__) is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        error = cause
+    return error
+
+
+def load_file(path: Path) -> Any:
+    """``path`` as a ``datasets.Dataset`` (one split, whatever its name); a bad file raises SourceError
+    naming the file and, for JSON, the line (or byte offset) and what is wrong there."""
+    import datasets
+
+    builder = FILE_BUILDERS.get(path.suffix.lower())
+    if builder is None:
+        raise SourceError(
+            f"{path}: unsupported file type {path.suffix!r}; use one of {sorted(FILE_BUILDERS)}"
+        )
+    if path.stat().st_size == 0:  # datasets raises a bare StopIteration for this
+        raise SourceError(f"{path}: the file is empty (0 bytes): it holds no rows")
+    if builder == "json" and not is_utf8(path):
+        raise SourceError(f"{path}: {json_problem(path)}")
+    try:
+        # A local file is one split whatever its name; `split` only selects within Hub datasets and
+        # DatasetDict folders, so a separate validation file just works.
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as e:  # the loaders raise many types (ArrowInvalid, StopIteration, ...)
+        problem = json_problem(path) if builder == "json" else None
+        if problem is None:  # nothing we can pin down: the parser's own words, with the file
+            root = _innermost(e)
+            problem = f"could not be read as {builder} data: {type(root).__name__}: {root}"
+        raise SourceError(f"{path}: {problem}") from e

@@ -1,0 +1,113 @@
+"""Bad rows under ``data.on_bad_row``: the setup scan that finds them, what a row skipped at load
+becomes, and clear errors when skipping leaves nothing (a source, or a batch, with no rows at all).
+
+``on_bad_row="error"`` raises the first :class:`RowError`. ``"skip"`` counts skips per reason and
+logs them; but a source whose every row was skipped, or a batch whose every row failed to decode,
+would otherwise surface as an empty dataset or an empty batch deep inside a method (a traceback far
+from the cause), so both raise :class:`NoRowsError` naming the setting, the source and the rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lightning_vlm.data.rows import RowError
+
+if TYPE_CHECKING:  # sources/templates import datasets machinery; only their types are needed here
+    from lightning_vlm.data.sources import Source
+    from lightning_vlm.data.templates import RowFormat
+
+logger = logging.getLogger("lightning_vlm.data")
+SETTING = "data.on_bad_row=skip"
+
+
+class NoRowsError(ValueError):
+    """Nothing is left to train or validate on: a source, or a batch, without a single usable row."""
+
+
+@dataclass(frozen=True)
+class SkippedRow:
+    """What a dataset item is when its row was skipped at load (an image failed to decode)."""
+
+    source: str
+    index: int
+    reason: str
+    message: str
+
+
+def _counts(skipped: Counter) -> str:
+    return ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()))
+
+
+def scan(
+    source: Source,
+    row_format: RowFormat,
+    limit: int | None = None,
+    on_bad_row: str = "error",
+) -> tuple[list[int], Counter]:
+    """Run the cheap checks on the first ``limit`` rows; returns the good row indices and skips per reason."""
+    total = len(source.rows) if limit is None else min(limit, len(source.rows))
+    if source.trusted:
+        return list(range(total)), Counter()
+    good, skipped, first = [], Counter(), {}
+    for index, row in enumerate(source.rows):
+        if index >= total:
+            break
+        try:
+            row_format.normalize(row, index, source.name, source.base_dir)
+        except RowError as e:
+            if on_bad_row == "error":
+                raise
+            skipped[e.reason] += 1
+            first.setdefault(e.reason, str(e))
+            continue
+        good.append(index)
+    if skipped:
+        # One line for the whole source (a million bad rows must not mean a million log lines), with
+        # the first row of each reason, so the fix can start there.
+        examples = "; ".join(f"first {reason}: {message}" for reason, message in sorted(first.items()))
+        logger.warning(
+            "skipped %d of %d rows of %s: %s (%s)",
+            sum(skipped.values()),
+            total,
+            source.name,
+            _counts(skipped),
+            examples,
+        )
+    return good, skipped
+
+
+def require_rows(good: list[int], skipped: Counter, source: Source, setting: str) -> None:
+    """Raise NoRowsError when a source that is used (``setting``: ``data.train``/``data.val``) has no
+    good row: every row skipped (naming ``data.on_bad_row=skip``), or none to begin with."""
+    if good:
+        return
+    role = "training" if setting == "data.train" else "validation"
+    if skipped:
+        raise NoRowsError(
+            f"{source.name}: {SETTING} skipped every one of its {sum(skipped.values())} rows "
+            f"({_counts(skipped)}; the warning above names the first row of each), so no {role} rows are "
+            f"left. Fix those rows, or point {setting} at other data"
+        )
+    raise NoRowsError(f"no usable {role} rows in {source.name} ({setting}): it has none")
+
+
+def collate_rows(batch: list[dict | SkippedRow | None]) -> list[dict]:
+    """Keep the batch a list of row dicts (the model wrapper tokenises); drop rows skipped at load.
+
+    A batch of nothing but skipped rows raises NoRowsError naming the setting, source and rows: an
+    empty batch would fail inside the method, far from its cause."""
+    rows = [row for row in batch if row is not None and not isinstance(row, SkippedRow)]
+    skips = [row for row in batch if isinstance(row, SkippedRow)]
+    if rows or not skips:
+        return rows
+    reasons = _counts(Counter(s.reason for s in skips))
+    raise NoRowsError(
+        f"{skips[0].source}: every row of a batch was skipped at load under {SETTING} (rows "
+        f"{[s.index for s in skips]}: {reasons}; first: {skips[0].message}), leaving an empty batch. "
+        "Images are only decoded when a batch is built, so setup cannot drop these rows: fix or remove "
+        "them"
+    )

@@ -1,0 +1,282 @@
+"""The data bad-input matrix: every kind of bad data a user can hand us, and what they get back.
+
+Each error case asserts the exception type and that its message names where the problem is: the
+file, the row and column, the line / byte offset, or the setting. Each skip case asserts the row is
+counted and logged. The image cases used to be silently wrong (16-bit images clipped to white,
+transparency turned black) and assert the pixels instead.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+from hydra.utils import instantiate
+from PIL import Image
+
+from helpers import ROOT, compose_train
+from lightning_vlm.data import NoRowsError, RowError, SFTDataModule, SourceError, open_image
+
+IMG = {"type": "image"}
+
+
+@pytest.fixture(autouse=True)
+def hf_cache(tmp_path, monkeypatch):
+    """Keep the json/parquet builders' Arrow cache inside the test's folder."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+
+
+def sft_row(image: str = "red.png", answer: str = "red") -> dict:
+    """A good SFT row: one image, a question, an answer."""
+    user = {"role": "user", "content": [IMG, {"type": "text", "text": "Color?"}]}
+    return {"messages": [user, {"role": "assistant", "content": answer}], "images": [image]}
+
+
+def write_rows(folder: Path, rows: list[dict], name: str = "data.jsonl") -> Path:
+    """Rows as a JSON Lines file next to a red.png and a corrupt bad.png."""
+    Image.new("RGB", (8, 8), (255, 0, 0)).save(folder / "red.png")
+    (folder / "bad.png").write_bytes(b"not a png")
+    path = folder / name
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def broken(change: Callable[[dict], None], rows: tuple[int, ...] = (1,), **kwargs) -> Callable[[Path], dict]:
+    """A case: three good rows with ``rows`` changed in place; returns the DataModule's kwargs."""
+
+    def make(folder: Path) -> dict:
+        data = [sft_row() for _ in range(3)]
+        for i in rows:
+            change(data[i])
+        return {"train": str(write_rows(folder, data)), **kwargs}
+
+    return make
+
+
+def raw_file(content: bytes, name: str = "data.jsonl") -> Callable[[Path], dict]:
+    """A case: a data file with exactly these bytes."""
+
+    def make(folder: Path) -> dict:
+        (folder / name).write_bytes(content)
+        return {"train": str(folder / name)}
+
+    return make
+
+
+def no_answer(row: dict) -> None:
+    row["messages"] = row["messages"][:1]
+
+
+def two_image_blocks(row: dict) -> None:
+    row["messages"][0]["content"] = [IMG, IMG, {"type": "text", "text": "Two?"}]
+
+
+def skipped_val(folder: Path) -> dict:
+    val = write_rows(folder, [{**sft_row(), "messages": sft_row()["messages"][:1]}] * 2, "val.jsonl")
+    return {"train": str(write_rows(folder, [sft_row()])), "val": str(val), "on_bad_row": "skip"}
+
+
+def batch_of_corrupt_images(folder: Path) -> dict:
+    # Rows 0-1 decode, rows 2-3 do not: with batch_size 2 the second batch is empty after skipping.
+    rows = [sft_row(), sft_row(), sft_row("bad.png"), sft_row("bad.png")]
+    return {"train": str(write_rows(folder, rows)), "on_bad_row": "skip", "batch_size": 2, "shuffle": False}
+
+
+# case: (the DataModule kwargs it makes in a folder, the error, what the message names; {dir}: the folder)
+Case = tuple[Callable[[Path], dict], type[Exception], tuple[str, ...]]
+
+
+BAD_LINE = b'{"messages": [], "images": []}\n\n{"messages": [oops], "images": []}\n'
+LATIN1 = json.dumps(sft_row()).encode() + b'\n{"messages": "caf\xe9"}\n'
+ROW = "{dir}/data.jsonl, row 1, column"  # {dir}: the test's folder
+# fmt: off
+ERRORS: dict[str, Case] = {  # a table, so kept as laid out
+    # Clear before this change, kept so the matrix is complete.
+    "missing_column": (broken(lambda r: r.pop("messages")), RowError,
+                       (f"{ROW} 'messages'", "missing_column", "(columns: ['images'])")),
+    "missing_image_file": (broken(lambda r: r.update(images=["nope.png"])), RowError,
+                           (f"{ROW} 'images'", "missing_image", "nope.png")),
+    "unreadable_image": (broken(lambda r: r.update(images=["bad.png"])), RowError,
+                         (f"{ROW} 'images'", "corrupt_image", "bad.png")),
+    "image_count_mismatch": (broken(two_image_blocks), RowError,
+                             (f"{ROW} 'messages'", "image_count_mismatch")),
+    "missing_data_file": (lambda d: {"train": str(d / "gone.jsonl")}, SourceError, ("{dir}/gone.jsonl",)),
+    # SFT rows that would train on nothing.
+    "sft_no_assistant_turn": (broken(no_answer), RowError,
+                              (f"{ROW} 'messages'", "no_answer", "no assistant turn")),
+    "sft_empty_assistant_turn": (broken(lambda r: r["messages"][1].update(content="  ")), RowError,
+                                 (f"{ROW} 'messages'", "no_answer", "empty assistant")),
+    "sft_empty_completion": (broken(lambda r: r.update(messages=None, prompt="Q", completion="")), RowError,
+                             (f"{ROW} 'completion'", "no_answer")),
+    # Bad data files.
+    "empty_jsonl": (raw_file(b""), SourceError, ("{dir}/data.jsonl", "empty (0 bytes)")),
+    "blank_jsonl": (raw_file(b"\n \n"), SourceError, ("{dir}/data.jsonl", "empty (only whitespace)")),
+    "invalid_json_line": (raw_file(BAD_LINE), SourceError,
+                          ("{dir}/data.jsonl", "line 3, column 15: invalid JSON", "oops")),
+    "json_line_not_an_object": (raw_file(b'{"messages": []}\n[1, 2]\n'), SourceError,
+                                ("{dir}/data.jsonl", "line 2 is a JSON list")),
+    "non_utf8_bytes": (raw_file(LATIN1), SourceError,
+                       ("{dir}/data.jsonl", f"byte offset {len(LATIN1) - 4} (line 2,", "\\xe9")),
+    "invalid_json_document": (raw_file(b'[\n  {"messages": []},\n  {"messages": ]\n]', "data.json"),
+                              SourceError, ("{dir}/data.json", "line 3, column 16: invalid JSON")),
+    "empty_json_list": (raw_file(b"[]", "data.json"), SourceError, ("{dir}/data.json", "no rows")),
+    "corrupt_parquet": (raw_file(b"PAR1 not really", "data.parquet"), SourceError,
+                        ("{dir}/data.parquet", "could not be read as parquet")),
+    # Nothing left after skipping.
+    "every_train_row_skipped": (broken(no_answer, (0, 1, 2), on_bad_row="skip"), NoRowsError,
+                                ("{dir}/data.jsonl", "data.on_bad_row=skip", "every one of its 3 rows",
+                                 "3 no_answer", "data.train")),
+    "every_val_row_skipped": (skipped_val, NoRowsError,
+                              ("{dir}/val.jsonl", "data.on_bad_row=skip", "2 no_answer", "data.val")),
+    "batch_empty_after_load_skips": (batch_of_corrupt_images, NoRowsError,
+                                     ("{dir}/data.jsonl", "data.on_bad_row=skip", "rows [2, 3]",
+                                      "2 corrupt_image", "empty batch")),
+    # A bad setting.
+    "bad_alpha_background": (lambda d: {"alpha_background": [1, 2]}, ValueError,
+                             ("data.alpha_background", "[1, 2]")),
+}
+# fmt: on
+
+
+def every_batch(dm: SFTDataModule) -> None:
+    """Setup, then every train and val batch: corrupt images only show when decoded."""
+    dm.setup("fit")
+    for loader in (dm.train_dataloader(), dm.val_dataloader()):
+        for _ in loader:
+            pass
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_bad_input_raises_naming_where(case, tmp_path):
+    make, error, names = ERRORS[case]
+    with pytest.raises(error) as info:
+        every_batch(SFTDataModule(**make(tmp_path)))
+    message = str(info.value)
+    for name in names:
+        assert name.format(dir=tmp_path) in message, message
+
+
+SKIPS: dict[str, tuple[Callable[[dict], None], str, str]] = {
+    # case: (how row 1 is broken, the reason counted, what the log names)
+    "missing_column": (lambda r: r.pop("messages"), "missing_column", f"{ROW} 'messages'"),
+    "sft_no_assistant_turn": (no_answer, "no_answer", f"{ROW} 'messages'"),
+    "unreadable_image": (lambda r: r.update(images=["bad.png"]), "corrupt_image", f"{ROW} 'images'"),
+}
+
+
+@pytest.mark.parametrize("case", list(SKIPS))
+def test_skipped_rows_are_counted_and_logged(case, tmp_path, caplog):
+    change, reason, where = SKIPS[case]
+    dm = SFTDataModule(**broken(change, on_bad_row="skip", shuffle=False)(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm.data"):
+        dm.setup()
+        rows = [row for batch in dm.train_dataloader() for row in batch]
+    assert len(rows) == 2 and dm.skipped == {reason: 1}
+    logged = "\n".join(r.getMessage() for r in caplog.records if r.name == "lightning_vlm.data")
+    assert where.format(dir=tmp_path) in logged and reason in logged
+    if reason != "corrupt_image":  # the setup scan's one summary line per source
+        assert "skipped 1 of 3 rows" in logged
+
+
+def gradient(mode: str, low: float, high: float) -> Image.Image:
+    """A 4x256 horizontal gradient from ``low`` to ``high`` in a single-channel PIL mode."""
+    dtype = {"I;16": np.uint16, "I": np.int32, "F": np.float32}[mode]
+    return Image.fromarray(np.tile(np.linspace(low, high, 256), (4, 1)).astype(dtype))
+
+
+def decoded(image: Image.Image, tmp_path: Path, suffix: str = ".png", **kwargs) -> np.ndarray:
+    """The RGB pixels a training batch gets for ``image``, saved as a file next to a JSONL row."""
+    image.save(tmp_path / f"image{suffix}")
+    rows = [sft_row(f"image{suffix}")]
+    dm = SFTDataModule(train=str(write_rows(tmp_path, rows)), **kwargs)
+    dm.setup()
+    (row,) = next(iter(dm.train_dataloader()))
+    assert row["images"][0].mode == "RGB"
+    return np.asarray(row["images"][0])
+
+
+def keeps_gradient(pixels: np.ndarray) -> None:
+    grey = pixels[0, :, 0].astype(int)
+    assert (pixels == 255).mean() < 0.01, "clipped to white"
+    assert grey[0] == 0 and grey[-1] == 255 and np.all(np.diff(grey) >= 0) and len(set(grey)) > 200
+
+
+def transparent(mode: str) -> Image.Image:
+    if mode == "P":  # a palette image whose colour 0 (black) is the transparent one, as in GIFs
+        image = Image.new("P", (8, 8), 0)
+        image.putpalette([0, 0, 0, 255, 0, 0])
+        image.info["transparency"] = 0
+        return image
+    return Image.new(mode, (8, 8), (0,) * len(mode))
+
+
+IMAGES: dict[str, Callable[[Path], None]] = {
+    "png_16bit_grey": lambda d: keeps_gradient(decoded(gradient("I;16", 0, 65535), d)),
+    "tiff_32bit_int_in_16bit_range": lambda d: keeps_gradient(decoded(gradient("I", 0, 65535), d, ".tif")),
+    "tiff_32bit_int_beyond_16bit": lambda d: keeps_gradient(decoded(gradient("I", -7, 2**20), d, ".tif")),
+    "tiff_float_0_to_1": lambda d: keeps_gradient(decoded(gradient("F", 0.0, 1.0), d, ".tif")),
+    "tiff_float_any_range": lambda d: keeps_gradient(decoded(gradient("F", -5.0, 5.0), d, ".tif")),
+    "rgba_transparent_is_white": lambda d: check(decoded(transparent("RGBA"), d), (255, 255, 255)),
+    "la_transparent_is_white": lambda d: check(decoded(transparent("LA"), d), (255, 255, 255)),
+    "palette_transparency_is_white": lambda d: check(decoded(transparent("P"), d), (255, 255, 255)),
+    "rgba_half_alpha_blends": lambda d: check(
+        np.asarray(open_image(Image.new("RGBA", (8, 8), (255, 0, 0, 128)))), (255, 127, 127)
+    ),
+    "alpha_background_setting": lambda d: check(
+        decoded(transparent("RGBA"), d, alpha_background=[0, 0, 255]), (0, 0, 255)
+    ),
+    "served_image_alpha_is_white": lambda d: check(np.asarray(served(transparent("RGBA"))), (255, 255, 255)),
+}
+
+
+def check(pixels: np.ndarray, rgb: tuple[int, int, int]) -> None:
+    assert pixels.shape[-1] == 3 and (pixels == rgb).all(axis=-1).all(), pixels[0, 0]
+
+
+def served(image: Image.Image) -> Image.Image:
+    """``image`` as the vLLM server decodes a client's base64 PNG."""
+    from lightning_vlm.serve import decode_image
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return decode_image(base64.b64encode(buffer.getvalue()).decode(), max_pixels=10_000)
+
+
+@pytest.mark.parametrize("case", list(IMAGES))
+def test_images_decode_to_faithful_rgb(case, tmp_path):
+    IMAGES[case](tmp_path)
+
+
+def test_alpha_background_from_the_config(tmp_path):
+    cfg = compose_train([f"data.train={write_rows(tmp_path, [sft_row()])}", "data.alpha_background=[0,0,0]"])
+    dm = instantiate(cfg.data, _convert_="all")
+    assert dm.row_format.alpha_background == (0, 0, 0)
+    assert compose_train([]).data.alpha_background == [255, 255, 255]  # the documented default
+
+
+@pytest.mark.slow
+def test_train_py_exits_non_zero_naming_the_bad_line(tmp_path):
+    # The whole path a user takes: the message reaches the console before any training step.
+    spec = raw_file(BAD_LINE)(tmp_path)["train"]
+    env = {**os.environ, "PROJECT_ROOT": str(tmp_path), "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), f"data.train={spec}", "logger=csv", "trainer.max_steps=1"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode != 0
+    assert f"SourceError: {spec}: line 3, column 15: invalid JSON" in proc.stderr, proc.stderr[-3000:]
