@@ -14,8 +14,10 @@ from omegaconf import DictConfig, OmegaConf
 
 import lightning_vlm.config  # noqa: F401  (registers the ${tiny_vlm:...} resolver)
 from lightning_vlm.callbacks.run_report import finish_reports
+from lightning_vlm.ckpt_path import checkpoint_to_load, restore_errors
 from lightning_vlm.loggers import finish_runs
 from lightning_vlm.models.scale_guard import check_model_scale
+from lightning_vlm.settings_check import check_settings
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ def drop_refused(callbacks: list[Any], trainer_cfg: DictConfig, has_logger: bool
 def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
     """Seeds, checks the model against its settings, and builds the datamodule and the method module
     (with its VLM): what train.py and eval.py share."""
+    check_settings(cfg)  # settings that would fail later with a traceback, refused naming the setting
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     if cfg.get("float32_matmul_precision"):
@@ -87,19 +90,22 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     callbacks = drop_refused(instantiate_group(cfg.get("callbacks")), cfg.trainer, bool(loggers))
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     check_launch(trainer)
+    # A local file or folder only (a URL would be unpickled with weights_only=False), loaded weights-only.
+    ckpt_path = checkpoint_to_load(cfg.get("ckpt_path"), trainer)
 
     for lg in loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     initial: dict[str, float] = {}
-    if cfg.get("validate_before_fit"):
-        # A resumed run starts from the checkpoint's weights, so that is the baseline to score; fit
-        # below restores the checkpoint again (weights, optimizer, loops), so the resume is unchanged.
-        results = trainer.validate(
-            module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), verbose=False
-        )
-        initial = {k: float(v) for k, v in results[0].items()}
-        log.info("Metrics before training (%s): %s", cfg.get("ckpt_path") or "initial weights", initial)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    with restore_errors(ckpt_path, module):
+        if cfg.get("validate_before_fit"):
+            # A resumed run starts from the checkpoint's weights, so that is the baseline to score; fit
+            # below restores the checkpoint again (weights, optimizer, loops), so the resume is unchanged.
+            results = trainer.validate(
+                module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False
+            )
+            initial = {k: float(v) for k, v in results[0].items()}
+            log.info("Metrics before training (%s): %s", ckpt_path or "initial weights", initial)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     wanted = cfg.get("optimized_metric")
     if wanted and wanted not in trainer.callback_metrics and trainer.limit_val_batches != 0:
         # The run ended before its first validation (e.g. trainer.max_steps below val_check_interval):

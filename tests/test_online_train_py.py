@@ -45,3 +45,5 @@ def test_train_py_method_grpo_runs_offline(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     run = next((tmp_path / "logs" / "grpo" / "runs").iterdir())
     assert (run / "checkpoints" / "last.ckpt").is_file()
+    # the progress bar (refreshed every step) shows each step's reward
+    assert "train/reward_step=" in proc.stdout + proc.stderr  # Lightning's TQDM bar writes to stdout

@@ -3,7 +3,10 @@
 Missing rewards (a reward function returned None) travel as NaN, as in TRL: they are left out of
 every statistic and their sample gets advantage 0, so it adds nothing to the policy gradient.
 Standard deviations are the unbiased (Bessel, n-1) estimate, like TRL's ``torch.std``, everywhere
-in this file; a statistic over fewer than two valid rewards has std 0.
+in this file; a statistic over fewer than two valid rewards has std 0. Statistics are computed in
+float64 and results returned in the rewards' dtype: the squares (and sums) of rewards near
+float32's limit (a reward function returning 1e38) overflow float32 to an inf std, which would
+silently zero every advantage.
 """
 
 from __future__ import annotations
@@ -16,8 +19,16 @@ ScaleRewards = Literal["group", "batch", "none"]
 SCALE_REWARDS: tuple[str, ...] = ("group", "batch", "none")
 
 
+def as_float64(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float64, for statistics that must not overflow (on the CPU for MPS, which has none)."""
+    return (x.cpu() if x.device.type == "mps" else x).double()
+
+
 def _nan_std(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
-    """Unbiased std ignoring NaN; 0 where fewer than two values are valid."""
+    """Unbiased std ignoring NaN, computed in float64 (returned in ``x``'s dtype and device); 0 where
+    fewer than two values are valid."""
+    dtype, device = x.dtype, x.device
+    x = as_float64(x)
     valid = ~torch.isnan(x)
     n = valid.sum(dim=dim, keepdim=True) if dim is not None else valid.sum()
     mean = torch.nanmean(x, dim=dim, keepdim=True) if dim is not None else torch.nanmean(x)
@@ -25,7 +36,7 @@ def _nan_std(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> 
     ss = sq.sum(dim=dim, keepdim=True) if dim is not None else sq.sum()
     std = torch.sqrt(ss / (n - 1).clamp(min=1))
     std = torch.where(n >= 2, std, torch.zeros_like(std))
-    return std if keepdim or dim is None else std.squeeze(dim)
+    return (std if keepdim or dim is None else std.squeeze(dim)).to(device, dtype)
 
 
 def _check_groups(rewards: torch.Tensor, num_generations: int) -> None:
@@ -51,14 +62,16 @@ def combine_rewards(per_function: torch.Tensor, weights: torch.Tensor | None = N
     weights = weights.to(per_function)
     if weights.shape != (per_function.shape[1],):
         raise ValueError(f"weights must be [{per_function.shape[1]}], got shape {tuple(weights.shape)}")
-    total = torch.nansum(per_function * weights, dim=1)
+    # Summed in float64 so large rewards add up without overflowing on the way.
+    total = torch.nansum(as_float64(per_function) * as_float64(weights), dim=1).to(per_function)
     all_missing = torch.isnan(per_function).all(dim=1)
     return torch.where(all_missing, torch.full_like(total, float("nan")), total)
 
 
 def reward_stats(per_function: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean [F], unbiased std [F]) of each reward function over the batch, ignoring NaN."""
-    return torch.nanmean(per_function, dim=0), _nan_std(per_function, dim=0)
+    mean = torch.nanmean(as_float64(per_function), dim=0).to(per_function)
+    return mean, _nan_std(per_function, dim=0)
 
 
 def group_advantages(
@@ -78,6 +91,8 @@ def group_advantages(
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
     _check_groups(rewards, num_generations)
+    dtype, device = rewards.dtype, rewards.device
+    rewards = as_float64(rewards)
     grouped = rewards.view(-1, num_generations)
     valid = ~torch.isnan(grouped)
     mean = torch.nanmean(grouped, dim=1, keepdim=True).nan_to_num(0.0)
@@ -91,7 +106,7 @@ def group_advantages(
     hi = torch.where(valid, grouped, torch.full_like(grouped, -torch.inf)).amax(dim=1, keepdim=True)
     lo = torch.where(valid, grouped, torch.full_like(grouped, torch.inf)).amin(dim=1, keepdim=True)
     adv = torch.where(hi == lo, torch.zeros_like(adv), adv)
-    return adv.reshape(-1)
+    return adv.reshape(-1).to(device, dtype)
 
 
 def rloo_advantages(
@@ -108,7 +123,8 @@ def rloo_advantages(
         raise ValueError(
             f"RLOO needs num_generations >= 2 for a leave-one-out baseline, got {num_generations}"
         )
-    grouped = rewards.view(-1, num_generations)
+    dtype, device = rewards.dtype, rewards.device
+    grouped = as_float64(rewards).view(-1, num_generations)
     valid = ~torch.isnan(grouped)
     filled = torch.where(valid, grouped, torch.zeros_like(grouped))
     others = valid.sum(dim=1, keepdim=True) - valid.to(torch.long)  # valid rewards besides i
@@ -120,7 +136,7 @@ def rloo_advantages(
         masked = torch.where(kept, adv, torch.full_like(adv, float("nan")))
         mean = torch.nanmean(masked).nan_to_num(0.0)
         adv = torch.where(kept, (adv - mean) / (_nan_std(masked) + eps), torch.zeros_like(adv))
-    return adv
+    return adv.to(device, dtype)
 
 
 def kl_penalized_rewards(

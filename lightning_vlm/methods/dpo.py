@@ -29,6 +29,7 @@ from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
 from lightning_vlm.parallel.collectives import all_gather_object, gather_cat, mean_normalizer
 from lightning_vlm.rewards.accuracy import answers_match
+from lightning_vlm.settings_check import check_positive
 
 
 def chosen_answers(rows: list[dict]) -> list[str]:
@@ -57,6 +58,7 @@ class DPO(L.LightningModule):
         """``val_max_new_tokens=None``: the longest chosen answer of the validation set + a margin."""
         super().__init__()
         check_setting(val_max_new_tokens)
+        check_positive("method.max_length", max_length, hint=" (tokens per sequence; null: no truncation)")
         if isinstance(loss_type, str):
             raise TypeError(
                 f"loss_type must be a list of names, e.g. [{loss_type}], not the string {loss_type!r}"

@@ -36,7 +36,7 @@ from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.losses.importance import rollout_correction, split_trl_mode
 from lightning_vlm.methods.common import clip_gradients, configure_optimizers
 from lightning_vlm.methods.completions import CompletionRecorder, rollout_samples
-from lightning_vlm.methods.online_metrics import log_synced, rollout_metrics
+from lightning_vlm.methods.online_metrics import MissingRewardWarning, log_synced, rollout_metrics
 from lightning_vlm.methods.rollout_buffer import RolloutBatch, Step, global_counts, index_chunks
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
@@ -95,8 +95,7 @@ class OnlineRL(L.LightningModule):
         if beta < 0:
             raise ValueError(f"beta must be >= 0, got {beta}")
         self.is_level, self.is_mode = split_trl_mode(vllm_importance_sampling_mode)
-        self.vlm = vlm
-        self.sampling = sampling
+        self.vlm, self.sampling = vlm, sampling
         functions = list(reward_funcs) + ([reward_model] if reward_model is not None else [])
         self.scorer = RewardScorer(functions, reward_weights)
         self.hparams.update(sampling=asdict(sampling), reward_funcs=list(self.scorer.names),
@@ -105,10 +104,10 @@ class OnlineRL(L.LightningModule):
         # Replaceable by a callback (vLLM); HF generate samples from the training weights themselves.
         self.generator: Any = HFGenerator(vlm)
         self.ref: ReferenceModel | None = ReferenceModel(vlm) if self.needs_reference else None
-        self.val_reward = MeanMetric()
-        self.val_answer_accuracy = MeanMetric()
+        self.val_reward, self.val_answer_accuracy = MeanMetric(), MeanMetric()
         self.val_rewards = torch.nn.ModuleDict({n: MeanMetric() for n in self.scorer.names})
         self.completion_recorder = CompletionRecorder()  # filled when LogCompletions asks
+        self.missing_rewards = MissingRewardWarning()  # says when completions got no reward at all
 
     # ---- what subclasses decide ----------------------------------------------------------------------
     @property
@@ -279,6 +278,7 @@ class OnlineRL(L.LightningModule):
         """Per-generation metrics over every rank's completions (the same values on every rank)."""
         n_prompts = len(batch.rollouts.rows)
         values = rollout_metrics(batch, self.hparams.num_generations, list(self.scorer.names))
+        self.missing_rewards.check(values, list(self.scorer.names), self.trainer.global_step)
         self.log_dict({f"train/{k}": v for k, v in values.items()}, batch_size=n_prompts)
         self.log("train/reward_step", values["reward"], prog_bar=True, batch_size=n_prompts, logger=False)
 

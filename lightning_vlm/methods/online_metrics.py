@@ -2,21 +2,37 @@
 
 TRL reports reward and advantage statistics over the whole generation batch (it gathers them from
 all processes); so do we: each rank's per-completion values are gathered once per generation, and
-every rank computes the same numbers from them.
+every rank computes the same numbers from them, in float64 (rewards near float32's limit would
+overflow a float32 std to inf), logged in float32.
+
+``frac_reward_none`` is the share of completions that no reward function scored (all None or NaN).
+They get advantage 0, as in TRL; when that is the whole batch the policy loss is 0 and the run looks
+healthy while learning nothing, typically because the functions miss a column they read
+(``solution``) or do not recognise the completions' format. TRL warns "All reward functions returned
+None for the following kwargs: ..." each time; ``MissingRewardWarning`` warns from global rank 0 at
+the first such step, then at most once every ``every_n_steps`` steps with a count of the steps in
+between, naming the functions that returned nothing for the whole batch.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+
 import lightning as L
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from lightning_vlm.losses.advantages import as_float64
 from lightning_vlm.methods.rollout_buffer import RolloutBatch
+
+log = logging.getLogger(__name__)
 
 
 def nanstd(x: torch.Tensor) -> torch.Tensor:
-    """Unbiased std over non-NaN entries (0 with fewer than two)."""
-    valid = x[~x.isnan()]
-    return valid.std() if valid.numel() > 1 else x.new_zeros(())
+    """Unbiased std over non-NaN entries (0 with fewer than two), computed in float64, in ``x``'s dtype."""
+    valid = as_float64(x[~x.isnan()])
+    return valid.std().to(x) if valid.numel() > 1 else x.new_zeros(())
 
 
 def rollout_metrics(
@@ -34,12 +50,13 @@ def rollout_metrics(
         dim=1,
     )
     # One collective for every column; groups of G stay whole (a rank holds all of a prompt's samples).
-    columns = (batch.shard.gather(local) if batch.shard is not None else local).T
+    columns = as_float64(batch.shard.gather(local) if batch.shard is not None else local).T
     rewards, advantages, lengths, truncated = columns[:4]
     grouped = rewards.view(-1, num_generations)
     values = {
         "reward": torch.nanmean(rewards),
         "reward_std": nanstd(rewards),
+        "frac_reward_none": rewards.isnan().double().mean(),
         "frac_reward_zero_std": (grouped.nan_to_num(-1e9).std(-1) == 0).float().mean()
         if num_generations > 1
         else torch.ones((), device=rewards.device),  # one sample per prompt: no spread to learn from
@@ -54,7 +71,7 @@ def rollout_metrics(
     for name, column in zip(reward_names, columns[4:], strict=True):
         values[f"rewards/{name}/mean"] = torch.nanmean(column)
         values[f"rewards/{name}/std"] = nanstd(column)
-    return values
+    return {k: v.to(local.device, torch.float32) for k, v in values.items()}
 
 
 def log_synced(module: L.LightningModule, values: dict[str, torch.Tensor], batch_size: int) -> None:
@@ -69,3 +86,39 @@ def log_synced(module: L.LightningModule, values: dict[str, torch.Tensor], batch
         }  # fmt: skip
         if part:
             module.log_dict(part, batch_size=batch_size, sync_dist=True, reduce_fx=reduce)
+
+
+class MissingRewardWarning:
+    """Warns (rank 0, rate-limited) from the rollout metrics when completions got no reward."""
+
+    def __init__(self, every_n_steps: int = 50) -> None:
+        self.every_n_steps = every_n_steps
+        self.last_warned: int | None = None  # global step of the last warning
+        self.unwarned = 0  # steps with unscored completions since then, not yet reported
+
+    def check(self, values: dict[str, torch.Tensor], names: list[str], step: int) -> bool:
+        """Count and, when due, warn about this generation's unscored completions; True if it warned.
+
+        ``values`` are ``rollout_metrics``' (the same on every rank): ``frac_reward_none`` and each
+        function's ``rewards/<name>/mean``, NaN when it returned nothing for the whole batch.
+        """
+        fraction = float(values["frac_reward_none"])
+        if not fraction > 0:
+            return False
+        self.unwarned += 1
+        if self.last_warned is not None and step - self.last_warned < self.every_n_steps:
+            return False
+        silent = [n for n in names if math.isnan(float(values[f"rewards/{n}/mean"]))]
+        since = "" if self.last_warned is None else f" since the warning at step {self.last_warned}"
+        if rank_zero_only.rank == 0:
+            whole = " (the whole batch: the step's policy loss is 0)" if fraction >= 1 else ""
+            log.warning(
+                "Step %d: every reward function returned None (or NaN) for %.0f%% of the completions%s; they "
+                "get advantage 0 and add nothing to the loss. Reward functions that returned nothing for the "
+                "whole batch: %s (of %s). Steps with unscored completions%s: %d. Check that each function "
+                "finds the columns it reads (e.g. solution) and the completion format it expects; "
+                "train/frac_reward_none logs the share per step (this warning repeats at most every %d steps).",
+                step, 100 * fraction, whole, silent or "none", names, since, self.unwarned, self.every_n_steps,
+            )  # fmt: skip
+        self.last_warned, self.unwarned = step, 0
+        return True

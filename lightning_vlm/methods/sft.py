@@ -18,6 +18,7 @@ from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_
 from lightning_vlm.models.vlm import VLM
 from lightning_vlm.parallel.collectives import mean_normalizer
 from lightning_vlm.rewards.accuracy import answers_match
+from lightning_vlm.settings_check import check_positive
 
 
 class SFT(L.LightningModule):
@@ -34,6 +35,7 @@ class SFT(L.LightningModule):
         """``val_max_new_tokens=None``: the longest validation answer + a margin (see ``val_tokens``)."""
         super().__init__()
         check_setting(val_max_new_tokens)
+        check_positive("method.max_length", max_length, hint=" (tokens per sequence; null: no truncation)")
         # Factories stay out of hparams: checkpoints then hold plain values and load with weights_only=True.
         self.save_hyperparameters(ignore=["vlm", "optimizer", "scheduler"])
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler

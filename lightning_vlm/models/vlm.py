@@ -14,6 +14,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from . import encoding
 from .image_tokens import NUM_IMAGES_KEY, QWEN_FAMILIES, check_image_tokens
 from .logprobs import scatter_to_tokens, scored_positions, selective_logps
+from .model_source import check_model_source
 from .vision_cache import IMAGE_GROUPS_KEY, shared_hidden_states
 
 # Keys the encoders add for our own use; the HF model must not see them.
@@ -53,6 +54,9 @@ class VLM(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.model_name_or_path = model_name_or_path
+        # A missing folder or an uncached hub id offline: say so, naming the setting.
+        where = {k: v for k, v in (model_kwargs or {}).items() if k in ("cache_dir", "revision")}
+        check_model_source(model_name_or_path, **where)
         self.processor = AutoProcessor.from_pretrained(
             model_name_or_path, trust_remote_code=trust_remote_code, **(processor_kwargs or {})
         )

@@ -3,8 +3,9 @@
 Each function returns one float or ``None`` per completion; ``None`` becomes NaN in the score
 matrix and is skipped by the weighted sum, and a sample where every function returned ``None``
 totals NaN (the method leaves it out of group statistics and gives it advantage 0). Every failure
-of a function (raising, wrong length, a non-number) is re-raised as :class:`RewardFunctionError`
-naming the function, so a long run with five rewards says which one broke.
+of a function (raising, wrong length, a non-number, a value or weighted total beyond float32, the
+dtype scores are kept in) is re-raised as :class:`RewardFunctionError` naming the function, so a
+long run with five rewards says which one broke.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import torch
 from lightning_vlm.rewards.builtin import BUILTIN_REWARDS
 
 RewardFunction = Callable[..., Sequence[Any]]
+# Scores are float32 tensors: a larger Python float would become inf there, silently.
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class RewardFunctionError(RuntimeError):
@@ -137,7 +140,8 @@ class RewardScorer:
             values = [float(w) for w in weights]
             if len(values) != len(self.functions):
                 raise ValueError(
-                    f"got {len(values)} reward weights for {len(self.functions)} reward functions {self.names}"
+                    f"reward_weights: got {len(values)} reward weights for {len(self.functions)} reward "
+                    f"functions {self.names}"
                 )
         if not all(math.isfinite(v) for v in values):
             raise ValueError(f"reward weights must be finite; got {values}")
@@ -193,13 +197,33 @@ class RewardScorer:
             # NaN means "no reward" like None; infinities would poison the group statistics.
             if math.isinf(reward):
                 raise RewardFunctionError(f"{where} returned {reward} for sample {i}; rewards must be finite")
+            if abs(reward) > FLOAT32_MAX:
+                raise RewardFunctionError(
+                    f"{where} returned {reward:g} for sample {i}, beyond float32's range (±{FLOAT32_MAX:.3g}) "
+                    "that rewards are kept in; scale it down"
+                )
             values.append(reward)
         return values
 
     def total(self, per_function: torch.Tensor) -> torch.Tensor:
-        """Weighted sum over functions, skipping NaN; NaN where every function gave None."""
-        weights = self.weights.to(per_function.device, per_function.dtype)
-        total = torch.nansum(per_function * weights, dim=1)
+        """Weighted sum over functions, skipping NaN; NaN where every function gave None.
+
+        Summed in float64: rewards near float32's limit (1e38) add up without overflowing; a total
+        that does not fit ``per_function``'s dtype raises :class:`RewardFunctionError` naming the
+        functions and weights rather than becoming inf.
+        """
+        weights = self.weights.to(per_function.device, torch.float64)
+        total = torch.nansum(per_function.double() * weights, dim=1)
+        too_big = total.abs() > torch.finfo(per_function.dtype).max
+        if too_big.any():
+            i = int(too_big.nonzero()[0])
+            terms = zip(self.names, self.weights.tolist(), per_function[i].tolist(), strict=True)
+            parts = ", ".join(f"{name}: {w:g} × {r:g}" for name, w, r in terms)
+            raise RewardFunctionError(
+                f"the weighted reward of sample {i} ({float(total[i]):g}: {parts}) is beyond "
+                f"{per_function.dtype}'s range; scale these reward functions or method.reward_weights down"
+            )
+        total = total.to(per_function.dtype)
         return total.masked_fill(per_function.isnan().all(dim=1), math.nan)
 
     def __repr__(self) -> str:

@@ -1,0 +1,105 @@
+"""Settings checked once, before anything is built, each error naming its setting (``training.build``).
+
+Every value refused here fails later today, and not where it was set: Lightning divides by
+``trainer.accumulate_grad_batches`` and ``trainer.val_check_interval`` (a ``ZeroDivisionError`` at
+the first step or validation), the DataLoader names ``batch_size`` but not ``data.batch_size``,
+transformers reads a missing local folder as a malformed hub id, and the online methods' sampling
+settings fail inside ``generate`` or in the loss's log-probs after the first generation. Settings a
+constructor checks (``num_generations``, ``beta``, ``epsilon``, ``loss_type``, reward names and
+weights, ``max_length``) are left to it, so direct construction says the same.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+from omegaconf import DictConfig
+
+from lightning_vlm.models.model_source import check_model_source
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_positive(setting: str, value: Any, allow_none: bool = True, hint: str = "") -> None:
+    """Raise ``ValueError`` naming ``setting`` unless ``value`` is a number > 0 (or None if allowed)."""
+    if value is None and allow_none:
+        return
+    if not _number(value) or value <= 0:
+        null = " or null" if allow_none else ""
+        raise ValueError(f"{setting} must be > 0{null}, got {value!r}{hint}")
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """Refuse settings of a composed train/eval config that would fail later with a traceback."""
+    trainer, data = cfg.get("trainer") or {}, cfg.get("data") or {}
+    method, model = cfg.get("method") or {}, cfg.get("model") or {}
+    online = "num_generations" in method  # GRPO, GSPO, RLOO, Online DPO
+    _check_trainer(trainer, online)
+    for key in ("batch_size", "val_batch_size"):
+        if key in data:
+            check_positive(f"data.{key}", data.get(key), hint=" (rows per batch and process)")
+    if model.get("model_name_or_path") is not None:
+        # Local folders only: whether a hub id can be fetched is said by the scale guard (tiny settings)
+        # or by the VLM itself, which also knows the cache folder and revision.
+        check_model_source(str(model.model_name_or_path), hub=False)
+    optimizer = method.get("optimizer") or {}
+    lr = optimizer.get("lr")
+    if _number(lr) and lr < 0:
+        raise ValueError(f"method.optimizer.lr must be >= 0, got {lr}")
+    if online:
+        _check_online(method, data)
+
+
+def _check_trainer(trainer: Any, online: bool) -> None:
+    accumulate = trainer.get("accumulate_grad_batches")
+    if accumulate is not None and (not isinstance(accumulate, int) or accumulate < 1):
+        raise ValueError(
+            f"trainer.accumulate_grad_batches must be an integer >= 1 (1: no accumulation), got {accumulate!r}"
+        )
+    if online and accumulate not in (None, 1):
+        # Lightning's own message speaks of "manual optimization"; say what to set instead.
+        raise ValueError(
+            f"trainer.accumulate_grad_batches={accumulate}: online methods step the optimizer themselves "
+            "(every generation, steps_per_generation times), so it must be 1. To fit memory use "
+            "method.micro_batch_size (completions per forward/backward inside one optimizer step)."
+        )
+    interval = trainer.get("val_check_interval")
+    if _number(interval) and interval <= 0:
+        raise ValueError(
+            f"trainer.val_check_interval must be > 0 (steps, or a fraction of an epoch) or null, got {interval}; "
+            "to skip validation set trainer.limit_val_batches=0"
+        )
+
+
+def _check_online(method: Any, data: Any) -> None:
+    check_positive("method.max_completion_length", method.get("max_completion_length"), allow_none=False)
+    check_positive(
+        "method.val_num_generations", method.get("val_num_generations"), allow_none=False,
+        hint=" (sampled completions per held-out prompt)",
+    )  # fmt: skip
+    sampling = method.get("sampling") or {}
+    temperature = sampling.get("temperature", 1.0)
+    if not _number(temperature) or temperature <= 0:
+        # TRL divides the logits by it too; greedy decoding has no log-probs to learn from.
+        raise ValueError(
+            f"method.sampling.temperature must be > 0 for online training (the loss's log-probs divide "
+            f"the logits by it, and greedy rollouts of a prompt are identical), got {temperature!r}"
+        )
+    top_p = sampling.get("top_p", 1.0)
+    if not _number(top_p) or not 0 < top_p <= 1:
+        raise ValueError(f"method.sampling.top_p must be in (0, 1] (1: off), got {top_p!r}")
+    top_k = sampling.get("top_k")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 0):
+        raise ValueError(f"method.sampling.top_k must be >= 0 or null (0 or null: off), got {top_k!r}")
+    prompts, generations = data.get("batch_size"), method.get("num_generations")
+    steps = method.get("steps_per_generation", 1)
+    if all(isinstance(v, int) and v >= 1 for v in (prompts, generations, steps)):
+        if (prompts * generations) % steps:
+            raise ValueError(
+                f"method.steps_per_generation={steps} does not divide the {prompts * generations} completions "
+                f"of a generation (data.batch_size={prompts} × method.num_generations={generations}) into "
+                "equal optimizer steps"
+            )

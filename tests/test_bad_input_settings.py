@@ -1,0 +1,218 @@
+"""Degenerate settings and rewards (issue 11): each is refused early with a message naming the setting
+or the reward function, or warned about saying what happened; never a bare traceback or a silent step.
+
+Three matrices: settings given to train.py (composed like it, run by ``training.train``), objects
+built directly, and reward batches that train but must be reported. Cases marked "already clear"
+were clear before the issue and are kept so they stay so.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from hydra.errors import InstantiationException
+from online_helpers import fit_steps, sgd
+
+from helpers import compose_train
+from lightning_vlm.data.synthetic import synthetic_rows
+from lightning_vlm.losses.advantages import SCALE_REWARDS, group_advantages, reward_stats, rloo_advantages
+from lightning_vlm.methods.grpo import GRPO
+from lightning_vlm.methods.online_dpo import OnlineDPO
+from lightning_vlm.methods.online_metrics import MissingRewardWarning, nanstd
+from lightning_vlm.methods.rloo import RLOO
+from lightning_vlm.methods.sft import SFT
+from lightning_vlm.models.vlm import VLM
+from lightning_vlm.rewards.scoring import RewardFunctionError, RewardScorer
+from lightning_vlm.training import train
+
+# A few steps of a small job; every case below fails (or is expected to) before the first step.
+SMALL = ["logger=none", "callbacks=none", "++tiny_start=random", "trainer.max_steps=1",
+         "trainer.enable_progress_bar=false", "data.synthetic.num_train=8", "data.synthetic.num_val=4"]  # fmt: skip
+NEW, CLEAR = "new check", "already clear"
+
+TRAIN_CASES = [
+    # trainer: Lightning divides by these (ZeroDivisionError at the first step / validation)
+    (["trainer.accumulate_grad_batches=0"], ValueError, r"trainer\.accumulate_grad_batches must be", NEW),
+    (["method=grpo", "trainer.accumulate_grad_batches=2"], ValueError,
+     r"trainer\.accumulate_grad_batches=2.*method\.micro_batch_size", NEW),
+    (["trainer.val_check_interval=0"], ValueError, r"trainer\.val_check_interval must be > 0", NEW),
+    (["trainer.max_steps=-5"], InstantiationException, r"max_steps. must be a non-negative", CLEAR),
+    # model: a missing folder read as a malformed hub id ("Repo id must be in the form ...")
+    (["model.model_name_or_path=/no/such/dir"], FileNotFoundError,
+     r"model\.model_name_or_path='/no/such/dir': the local folder .* does not exist", NEW),
+    (["model=qwen2_5_vl", "model.model_name_or_path=/no/such/dir"], FileNotFoundError,
+     r"model\.model_name_or_path='/no/such/dir': the local folder", NEW),
+    (["model=qwen2_5_vl", "model.model_name_or_path=nobody-lvlm/no-such-model"], InstantiationException,
+     r"model\.model_name_or_path='nobody-lvlm/no-such-model' .* cannot be fetched offline", NEW),
+    # SFT / DPO: a negative max_length reported as cut image tokens
+    (["method.max_length=-5"], InstantiationException, r"method\.max_length must be > 0 or null, got -5", NEW),
+    (["method=dpo", "method.max_length=0"], InstantiationException, r"method\.max_length must be > 0", NEW),
+    # data and optimizer: the DataLoader's and torch's messages named neither setting
+    (["data.batch_size=0"], ValueError, r"data\.batch_size must be > 0", NEW),
+    (["method.optimizer.lr=-1"], ValueError, r"method\.optimizer\.lr must be >= 0, got -1", NEW),
+    # online sampling: failed in the loss's log-probs or inside generate, after the first generation
+    (["method=grpo", "method.sampling.temperature=0"], ValueError, r"method\.sampling\.temperature must be > 0", NEW),
+    (["method=grpo", "method.sampling.top_p=0"], ValueError, r"method\.sampling\.top_p must be in \(0, 1\]", NEW),
+    (["method=grpo", "method.sampling.top_k=-3"], ValueError, r"method\.sampling\.top_k must be >= 0", NEW),
+    (["method=grpo", "method.max_completion_length=0"], ValueError, r"method\.max_completion_length must be > 0", NEW),
+    (["method=grpo", "method.val_num_generations=0"], ValueError, r"method\.val_num_generations must be > 0", NEW),
+    (["method=grpo", "method.steps_per_generation=3"], ValueError,
+     r"method\.steps_per_generation=3 does not divide the 32 completions .*data\.batch_size=4", NEW),
+    # online methods' constructors
+    (["method=grpo", "method.num_generations=0"], InstantiationException, r"num_generations must be >= 1", CLEAR),
+    (["method=online_dpo", "method.num_generations=4"], InstantiationException, r"num_generations must be 2", CLEAR),
+    (["method=rloo", "method.num_generations=1"], InstantiationException, r"RLOO needs num_generations >= 2", CLEAR),
+    (["method=grpo", "method.reward_weights=[1.0,2.0]"], InstantiationException,
+     r"reward_weights: got 2 reward weights for 1 reward functions \['accuracy_reward'\]", NEW),
+    (["method=grpo", "method.epsilon=-0.1"], InstantiationException, r"epsilon and epsilon_high must be > 0", CLEAR),
+    (["method=grpo", "method.beta=-1"], InstantiationException, r"beta must be >= 0, got -1", CLEAR),
+    (["method=online_dpo", "method.beta=0"], InstantiationException, r"Online DPO needs beta > 0", CLEAR),
+    (["method=grpo", "method.reward_funcs=[no_such_reward]"], InstantiationException,
+     r"'no_such_reward' is neither a built-in reward", CLEAR),
+    (["method=dpo", "method.loss_weights=[1.0,2.0]"], InstantiationException, r"loss_weights has 2 entries", CLEAR),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "message", "kind"),
+    [pytest.param(*case, id=f"{case[3].split()[0]}:{' '.join(case[0])}") for case in TRAIN_CASES],
+)
+def test_train_py_settings_fail_early_naming_the_setting(
+    overrides, error, message, kind, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the uncached hub id must not be looked up online
+    cfg = compose_train([*SMALL, *overrides], tmp_path)
+    with pytest.raises(error, match=message):
+        train(cfg)
+
+
+@pytest.fixture(scope="module")
+def vlm(tiny_path):
+    return VLM(tiny_path("qwen2_5_vl"))
+
+
+def _huge_reward(completions, **kwargs):
+    return [1e39 for _ in completions]
+
+
+def _near_limit_reward(completions, **kwargs):
+    return [3e38 for _ in completions]
+
+
+def _near_limit_too(completions, **kwargs):
+    return [2e38 for _ in completions]
+
+
+DIRECT_CASES = [
+    (lambda vlm, tmp: VLM("/no/such/dir"), FileNotFoundError,
+     r"model\.model_name_or_path='/no/such/dir': the local folder"),
+    (lambda vlm, tmp: VLM(str(tmp / "weights.bin")), FileNotFoundError, r"model\.model_name_or_path=.* is a file"),
+    (lambda vlm, tmp: SFT(vlm, optimizer=sgd(), max_length=-5), ValueError, r"method\.max_length must be > 0"),
+    (lambda vlm, tmp: RewardScorer(["accuracy_reward"], [1.0, 2.0]), ValueError, r"reward_weights: got 2"),
+    (lambda vlm, tmp: RewardScorer(["no_such_reward"]), ValueError, r"'no_such_reward' is neither"),
+    (lambda vlm, tmp: GRPO(vlm, optimizer=sgd(), num_generations=0), ValueError, r"num_generations must be >= 1"),
+    (lambda vlm, tmp: RLOO(vlm, optimizer=sgd(), num_generations=1), ValueError, r"num_generations >= 2"),
+    (lambda vlm, tmp: OnlineDPO(vlm, optimizer=sgd(), micro_batch_size=3), ValueError, r"micro_batch_size must be even"),
+    (lambda vlm, tmp: group_advantages(torch.zeros(8), 3), ValueError, r"groups of num_generations=3"),
+    # a reward beyond float32 (the scores' dtype) would become inf there; a weighted total too
+    (lambda vlm, tmp: RewardScorer([_huge_reward])(["a", "b"]), RewardFunctionError,
+     r"'_huge_reward' .* returned 1e\+39 for sample 0, beyond float32's range"),
+    (lambda vlm, tmp: (lambda s: s.total(s(["a"])[0]))(RewardScorer([_near_limit_reward, _near_limit_too])),
+     RewardFunctionError, r"weighted reward of sample 0 \(5e\+38: _near_limit_reward: 1 × 3e\+38, _near_limit_too"),
+]  # fmt: skip
+
+
+DIRECT_IDS = ["vlm-missing-folder", "vlm-file", "sft-max_length", "scorer-weights", "scorer-unknown-name",
+              "grpo-num_generations", "rloo-num_generations", "online_dpo-odd-micro_batch", "groups-not-dividing",
+              "reward-beyond-float32", "weighted-total-beyond-float32"]  # fmt: skip
+
+
+@pytest.mark.parametrize(("build", "error", "message"), DIRECT_CASES, ids=DIRECT_IDS)
+def test_direct_construction_fails_naming_the_setting_or_function(build, error, message, vlm, tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(error, match=message):
+        build(vlm, tmp_path)
+
+
+def _none_reward(completions, **kwargs):
+    return [None] * len(completions)
+
+
+def _nan_reward(completions, **kwargs):
+    return [math.nan] * len(completions)
+
+
+def _length_reward(completions, completion_ids, **kwargs):
+    return [float(len(ids)) for ids in completion_ids]
+
+
+WARNING_CASES = [
+    # (method, reward functions, expected share of unscored completions, functions named as silent)
+    (GRPO, [_none_reward], 1.0, ["_none_reward"]),
+    (GRPO, [_none_reward, _nan_reward], 1.0, ["_none_reward", "_nan_reward"]),
+    (OnlineDPO, [_none_reward], 1.0, ["_none_reward"]),
+    (RLOO, [_nan_reward], 1.0, ["_nan_reward"]),
+    # one function with nothing to say (a multi-task reward) while another scores: trains, no warning
+    (GRPO, [_none_reward, _length_reward], 0.0, None),
+]
+
+
+@pytest.mark.parametrize(("cls", "funcs", "fraction", "silent"), WARNING_CASES,
+                         ids=["grpo-none", "grpo-none+nan", "online_dpo-none", "rloo-nan", "partly-none"])  # fmt: skip
+def test_unscored_batches_are_warned_about_and_logged(cls, funcs, fraction, silent, vlm, caplog):
+    rows = synthetic_rows("prompt", 2, seed=3)
+    module = cls(vlm, optimizer=sgd(1e-3), reward_funcs=funcs, num_generations=2, max_completion_length=4)
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm.methods.online_metrics"):
+        trainer = fit_steps(module, rows)
+    assert trainer.callback_metrics["train/frac_reward_none"].item() == fraction
+    warnings = [r.getMessage() for r in caplog.records if "returned None (or NaN)" in r.getMessage()]
+    if silent is None:
+        assert not warnings
+        return
+    (message,) = warnings
+    assert "100% of the completions (the whole batch" in message
+    assert f"the whole batch: {silent}" in message and "train/frac_reward_none" in message
+    assert math.isfinite(trainer.callback_metrics["train/loss"].item())
+
+
+def test_the_warning_repeats_at_most_every_n_steps_with_a_count(caplog):
+    warner = MissingRewardWarning(every_n_steps=50)
+    unscored = {"frac_reward_none": torch.tensor(0.25), "rewards/f/mean": torch.tensor(math.nan)}
+    scored = {"frac_reward_none": torch.tensor(0.0), "rewards/f/mean": torch.tensor(1.0)}
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm.methods.online_metrics"):
+        warned = [s for s in range(120) if warner.check(unscored if s % 2 == 0 else scored, ["f"], s)]
+    assert warned == [0, 50, 100]
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 3 and "25% of the completions;" in messages[0]
+    # steps 2, 4, ..., 50 since the first warning: 25 steps with unscored completions
+    assert "since the warning at step 0: 25" in messages[1]
+
+
+@pytest.mark.parametrize("scale", SCALE_REWARDS)
+def test_rewards_near_float32s_limit_give_finite_advantages_and_statistics(scale):
+    rewards = torch.tensor([1e38, 0.0, 3e38, -3e38, 1.0, 2.0, 2e38, 2e38])
+    advantages = group_advantages(rewards, 4, scale)
+    assert advantages.dtype == torch.float32 and advantages.isfinite().all()
+    assert (advantages[:4] != 0).all(), "the huge rewards must still rank their group's completions"
+    assert advantages[0] > advantages[1] and advantages[2] > advantages[0]
+    assert rloo_advantages(rewards, 4, normalize=True).isfinite().all()
+    mean, std = reward_stats(rewards.view(-1, 1))
+    assert mean.isfinite().all() and std.isfinite().all() and nanstd(rewards).isfinite()
+
+
+def _huge_but_finite_reward(completions, completion_ids, **kwargs):
+    return [1e38 * (i % 2) for i in range(len(completion_ids))]
+
+
+def test_a_1e38_reward_trains_with_finite_logged_statistics(vlm):
+    rows = synthetic_rows("prompt", 2, seed=3)
+    module = GRPO(vlm, optimizer=sgd(1e-3), reward_funcs=[_huge_but_finite_reward], num_generations=2,
+                  max_completion_length=4)  # fmt: skip
+    metrics = fit_steps(module, rows).callback_metrics
+    for key in ("train/reward", "train/reward_std", "train/advantages/std", "train/loss"):
+        assert math.isfinite(metrics[key].item()), key
+    # each group holds a 0 and a 1e38: scaled advantages of about ±0.707, not 0 from an inf std
+    assert metrics["train/advantages/abs_mean"].item() == pytest.approx(2**-0.5, rel=1e-3)
