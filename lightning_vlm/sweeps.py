@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +18,9 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from lightning_vlm.parallel.collectives import launcher_rank
+
 log = logging.getLogger(__name__)
-
-
-def _rank() -> int:
-    # torchrun sweeps run every job on every rank; one summary is enough.
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
 def best_job(jobs: list[dict[str, Any]], mode: str) -> dict[str, Any] | None:
@@ -65,7 +61,8 @@ class SweepSummary(Callback):
         })  # fmt: skip
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if _rank() != 0 or not self.jobs:
+        # torchrun sweeps run every job on every rank; one summary is enough
+        if launcher_rank() != 0 or not self.jobs:
             return
         out = Path(str(config.hydra.sweep.dir))
         out.mkdir(parents=True, exist_ok=True)

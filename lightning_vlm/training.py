@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import hydra
@@ -17,21 +16,17 @@ from lightning_vlm.callbacks.run_report import finish_reports
 from lightning_vlm.ckpt_path import checkpoint_to_load, restore_errors
 from lightning_vlm.loggers import finish_runs
 from lightning_vlm.models.scale_guard import check_model_scale
+from lightning_vlm.parallel.collectives import launcher_rank
 from lightning_vlm.settings_check import check_settings
 
 log = logging.getLogger(__name__)
-
-
-def _rank() -> int:
-    # Set by every launcher Lightning supports (its own, torchrun, SLURM) before any process group.
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("LOCAL_RANK", "0"))))
 
 
 class _RankZero(logging.LoggerAdapter):
     """This module's messages from rank 0 only: every process runs train(), one report is enough."""
 
     def log(self, level: int, msg: object, *args, **kwargs) -> None:
-        if _rank() == 0:
+        if launcher_rank() == 0:
             super().log(level, msg, *args, **kwargs)
 
 

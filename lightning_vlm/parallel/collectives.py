@@ -7,6 +7,7 @@ rank whose rows were skipped, completions of other lengths), never in their othe
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,12 @@ def world_size() -> int:
 def rank() -> int:
     """This process's rank in the default group (0 without torch.distributed)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def launcher_rank() -> int:
+    """This process's global rank as its launcher set it (Lightning's own, torchrun, SLURM), readable
+    before any process group exists (0 when nothing launched it)."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("LOCAL_RANK", "0"))))
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
