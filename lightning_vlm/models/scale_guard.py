@@ -37,11 +37,20 @@ def count_parameters(config: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def _in_tiny_cache(model_name_or_path: str) -> bool:
+    # The tiny zoo and its warm starts are tiny by construction: no config read or meta build at start-up.
+    from pathlib import Path
+
+    from lightning_vlm.models.tiny import default_cache_dir
+
+    return Path(default_cache_dir()).resolve() in Path(model_name_or_path).resolve().parents
+
+
 def check_model_scale(
     scale_name: str | None, model_name_or_path: str, trust_remote_code: bool = False
 ) -> None:
     """Raises when ``model_name_or_path`` is a large model but the tiny models' settings are selected."""
-    if scale_name != "tiny":
+    if scale_name != "tiny" or _in_tiny_cache(model_name_or_path):
         return
     from transformers import AutoConfig
 
