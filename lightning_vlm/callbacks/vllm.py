@@ -14,6 +14,7 @@ step). Server: one server for all ranks; every rank sends its own prompts, rank 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any
@@ -29,9 +30,10 @@ MODES = ("colocate", "server")
 class VLLMGeneration(L.Callback):
     """Builds (colocate) or connects to (server) a vLLM engine at setup and hands the module a generator.
 
-    Colocate options follow TRL's ``vllm_*`` names. Server: ``server_url`` of a running
-    ``lightning_vlm.serve`` (not stopped by this callback), or ``start_server=True`` to spawn one on a
-    free loopback port that this callback owns and stops. ``weight_transfer``: "folder" (safetensors
+    Colocate options follow TRL's ``vllm_*`` names. Server: ``server_url`` of a running vLLM server
+    (``python -m lightning_vlm.serve``, or ``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1``; not stopped by
+    this callback), or ``start_server=True`` to spawn ``lightning_vlm.serve`` on a free loopback port
+    that this callback owns and stops. ``api_key``: the server's ``--api-key`` (default $VLLM_API_KEY). ``weight_transfer``: "folder" (safetensors
     written to ``sync_dir``, read by the server: a shared filesystem) or "body" (sent over HTTP).
     """
 
@@ -54,7 +56,9 @@ class VLLMGeneration(L.Callback):
         server_args: list[str] | None = None,
         server_timeout: float = 300.0,
         connect_timeout: float = 5.0,
-        retries: int = 2,
+        retries: int = 1,
+        reconnect_timeout: float = 300.0,
+        api_key: str | None = None,
         wait_for_server: float = 180.0,
         weight_transfer: str = "folder",
         sync_dir: str | None = None,
@@ -62,7 +66,7 @@ class VLLMGeneration(L.Callback):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         from lightning_vlm.generation.vllm_colocate import WEIGHT_SYNCS, check_engine_settings
-        from lightning_vlm.generation.vllm_server_client import TRANSFERS
+        from lightning_vlm.generation.vllm_server import TRANSFERS
 
         check_engine_settings(gpu_memory_utilization, max_model_len, tensor_parallel_size, model_impl)
         if weight_sync not in WEIGHT_SYNCS or (weight_sync == "adapter" and mode == "server"):
@@ -79,7 +83,7 @@ class VLLMGeneration(L.Callback):
             weight_sync=weight_sync, seed=seed, **(engine_kwargs or {}),
         )  # fmt: skip
         self.server = dict(url=server_url, timeout=server_timeout, connect_timeout=connect_timeout,
-                           retries=retries)  # fmt: skip
+                           retries=retries, reconnect_timeout=reconnect_timeout, api_key=api_key)  # fmt: skip
         self.start_server = start_server
         self.server_args = list(server_args or [])
         self.wait_for_server = wait_for_server
@@ -124,11 +128,9 @@ class VLLMGeneration(L.Callback):
             # One engine per rank; different seeds, so the ranks' unseeded draws are independent.
             options = {**self.engine_options, "seed": self.engine_options["seed"] + trainer.global_rank}
             return VLLMColocateGenerator(vlm, **options)
-        from lightning_vlm.generation.vllm_server_client import (
-            VLLMServerClient,
-            VLLMServerGenerator,
-            start_server,
-        )
+        from lightning_vlm.generation.vllm_server import VLLMServerGenerator
+        from lightning_vlm.generation.vllm_server_client import VLLMServerClient
+        from lightning_vlm.serving.process import start_server
 
         if self.start_server:
             url = None
@@ -163,7 +165,7 @@ class VLLMGeneration(L.Callback):
                 "--tensor-parallel-size", str(o["tensor_parallel_size"]), "--model-impl", o["model_impl"],
                 "--logprobs-mode", o["logprobs_mode"], "--seed", str(o["seed"])]  # fmt: skip
         if o["limit_mm_per_prompt"]:
-            args += ["--max-images", str(o["limit_mm_per_prompt"].get("image", 1))]
+            args += ["--limit-mm-per-prompt", json.dumps(dict(o["limit_mm_per_prompt"]))]
         if o["enable_sleep_mode"]:
             args.append("--enable-sleep-mode")
         return args + self.server_args
@@ -190,7 +192,7 @@ class VLLMGeneration(L.Callback):
 
     def _stop_owned_server(self) -> None:
         if self._server_process is not None:
-            from lightning_vlm.generation.vllm_server_client import stop_server
+            from lightning_vlm.serving.process import stop_server
 
             stop_server(self._server_process)
             self._server_process = None
@@ -210,12 +212,14 @@ class VLLMGeneration(L.Callback):
         else:
             # One push per optimizer step, by rank 0 (every rank holds the same weights after the
             # step); the others wait so that nobody samples from the weights of the step before.
-            seconds = 0.0
+            # The label is the step: every rank knows it, and can tell a restarted server from it.
+            seconds, version = 0.0, f"step-{trainer.global_step}"
             if trainer.is_global_zero:
-                seconds = self.generator.sync_weights(chunks)
-            elif chunks is not None:
-                for _ in chunks:  # take part in each unit's gather
+                seconds = self.generator.sync_weights(chunks, version=version)
+            else:
+                for _ in chunks or ():  # take part in each unit's gather
                     pass
+                self.generator.expect_version(version, sharded=chunks is not None)
             trainer.strategy.barrier("vllm_server_weight_sync")
         self.sync_seconds.append(seconds)
         return seconds

@@ -1,26 +1,21 @@
-"""Talking to ``lightning_vlm.serve``: an HTTP client with timeouts and bounded retries, and a Generator."""
+"""An HTTP client for vLLM's OpenAI-compatible server: timeouts, retries sized for a restart, and
+errors that say whether the server timed out or could not be reached.
+
+Works against ``python -m lightning_vlm.serve`` (vLLM's server with our plugin: checked weight
+updates, ``/lightning_vlm/*``) and against a plain ``vllm serve`` started with
+``VLLM_SERVER_DEV_MODE=1`` (weights then go through vLLM's dev ``/collective_rpc``).
+"""
 
 from __future__ import annotations
 
-import base64
-import io
 import logging
-import shutil
-import tempfile
+import os
 import time
-from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import requests
 
-from lightning_vlm.generation.base import Rollouts, SamplingSettings
-from lightning_vlm.generation.vllm_engine import vllm_inputs
-from lightning_vlm.generation.vllm_sampling import build_rollouts, request_seeds, sampling_kwargs
-from lightning_vlm.generation.weight_sync import policy_weights, weights_to_bytes, write_weights
-
 log = logging.getLogger(__name__)
-TRANSFERS = ("folder", "body")
 
 
 class VLLMServerError(RuntimeError):
@@ -28,227 +23,186 @@ class VLLMServerError(RuntimeError):
 
 
 class VLLMServerClient:
-    """JSON calls to the server; connection failures and timeouts are retried ``retries`` times."""
+    """JSON calls to a vLLM server.
+
+    A connection that cannot be made (refused, reset, connect timeout) is retried with backoff for
+    up to ``reconnect_timeout`` seconds, long enough for a server to restart and load its model;
+    every retry is logged. A request that timed out after ``timeout`` seconds (the server is up but
+    slow or stuck) is retried ``retries`` times. HTTP errors are raised at once, with the server's reason.
+    """
 
     def __init__(
         self,
         url: str = "http://127.0.0.1:8000",
         timeout: float = 300.0,
         connect_timeout: float = 5.0,
-        retries: int = 2,
-        backoff: float = 0.5,
+        retries: int = 1,
+        reconnect_timeout: float = 300.0,
+        backoff: float = 1.0,
+        api_key: str | None = None,
     ) -> None:
-        if timeout <= 0 or connect_timeout <= 0:
-            raise ValueError(f"timeout and connect_timeout must be > 0, got {timeout}, {connect_timeout}")
+        if timeout <= 0 or connect_timeout <= 0 or reconnect_timeout < 0 or backoff <= 0:
+            raise ValueError(
+                "timeout, connect_timeout and backoff must be > 0 and reconnect_timeout >= 0, got "
+                f"{timeout}, {connect_timeout}, {backoff}, {reconnect_timeout}"
+            )
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.retries = retries
+        self.reconnect_timeout = reconnect_timeout
         self.backoff = backoff
         self.session = requests.Session()
+        api_key = api_key if api_key is not None else os.environ.get("VLLM_API_KEY")
+        if api_key:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
+        self.reconnects = 0  # times a lost connection came back (the server may have restarted)
+        self._model: str | None = None
 
-    def request(self, method: str, path: str, timeout: float | None = None, **kwargs: Any) -> dict:
-        """One call, retried on connection errors/timeouts; an HTTP error is raised at once."""
+    def request(self, method: str, path: str, timeout: float | None = None, **kwargs: Any) -> Any:
+        """One call with the retry policy above; the JSON answer (None for an empty body)."""
         url = f"{self.url}{path}"
-        last: Exception | None = None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
+        timeout = timeout or self.timeout
+        first_failure: float | None = None
+        timeouts = attempt = 0
+        while True:
+            attempt += 1
             try:
                 response = self.session.request(
-                    method, url, timeout=(self.connect_timeout, timeout or self.timeout), **kwargs
+                    method, url, timeout=(self.connect_timeout, timeout), **kwargs
                 )
-            except (requests.ConnectionError, requests.Timeout) as exc:
-                last = exc
+            except requests.ConnectionError as exc:  # refused, reset or connect timeout
+                first_failure = first_failure or time.monotonic()
+                waited = time.monotonic() - first_failure
+                if waited >= self.reconnect_timeout:
+                    raise self._unreachable(url, exc, attempt, waited) from exc
+                delay = min(self.backoff * 2 ** min(attempt - 1, 4), 10.0, self.reconnect_timeout - waited)
+                log.warning("vLLM server at %s unreachable (%s); retry %d in %.1f s (%.0f of %g s reconnect "
+                            "budget used)", url, _reason(exc), attempt, delay, waited, self.reconnect_timeout)  # fmt: skip
+                time.sleep(max(delay, 0.0))
                 continue
-            if response.status_code != 200:
-                try:
-                    reason = response.json().get("error", response.text)
-                except ValueError:
-                    reason = response.text
-                raise VLLMServerError(f"vLLM server at {url} answered {response.status_code}: {reason}")
-            return response.json()
-        raise VLLMServerError(
-            f"vLLM server at {url} is not reachable ({self.retries + 1} attempts, timeout "
-            f"{timeout or self.timeout:g} s): {type(last).__name__}: {last}. Is it running? Start it with "
-            f"`python -m lightning_vlm.serve MODEL_DIR --port PORT`."
-        ) from last
+            except requests.Timeout as exc:
+                timeouts += 1
+                if timeouts > self.retries:
+                    raise self._timed_out(url, timeout, attempt) from exc
+                log.warning("vLLM server at %s timed out after %g s; retry %d of %d", url, timeout, timeouts,
+                            self.retries)  # fmt: skip
+                continue
+            if first_failure is not None:
+                self.reconnects += 1
+                log.warning("vLLM server at %s reachable again after %d attempts (%.1f s)", url, attempt,
+                            time.monotonic() - first_failure)  # fmt: skip
+            return self._answer(url, response)
 
-    def health(self) -> dict:
-        """The server's status (fast; answers even while it generates)."""
-        return self.request("GET", "/health", timeout=self.connect_timeout)
-
-    def wait_until_ready(self, timeout: float = 180.0, poll: float = 1.0) -> dict:
-        """Poll /health until the engine is up (it loads the model before binding); bounded by ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while True:
+    @staticmethod
+    def _answer(url: str, response: requests.Response) -> Any:
+        if response.status_code >= 400:
             try:
-                response = self.session.get(f"{self.url}/health", timeout=self.connect_timeout)
-                if response.status_code == 200:
-                    return response.json()
-            except (requests.ConnectionError, requests.Timeout):
-                pass
+                payload = response.json()
+                reason = payload.get("error", payload.get("detail", payload))
+                reason = reason.get("message", reason) if isinstance(reason, dict) else reason
+            except ValueError:
+                reason = response.text
+            raise VLLMServerError(f"vLLM server at {url} answered {response.status_code}: {reason}")
+        return response.json() if response.content else None
+
+    def _timed_out(self, url: str, timeout: float, attempts: int) -> VLLMServerError:
+        return VLLMServerError(
+            f"vLLM server at {url} timed out: no answer within {timeout:g} s ({attempts} attempts). It is "
+            f"reachable but slow or stuck; raise server_timeout if generations are this long."
+        )
+
+    def _unreachable(self, url: str, exc: Exception, attempts: int, waited: float) -> VLLMServerError:
+        return VLLMServerError(
+            f"vLLM server at {url} is not reachable ({_reason(exc)}; {attempts} attempts over {waited:.0f} s, "
+            f"reconnect budget {self.reconnect_timeout:g} s). Is it running? Start it with "
+            f"`python -m lightning_vlm.serve MODEL_DIR --port PORT`."
+        )
+
+    def health(self) -> bool:
+        """Whether the server answers ``/health`` with 200 right now (no retries).
+
+        vLLM binds its port before it loads the model, so during a (re)start other requests wait
+        (up to ``timeout``) rather than fail; this probe gives up after ``connect_timeout``.
+        """
+        try:
+            return self.session.get(f"{self.url}/health", timeout=self.connect_timeout).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def wait_until_ready(self, timeout: float = 180.0, poll: float = 1.0) -> None:
+        """Poll ``/health`` until the engine is up (it loads the model before binding); bounded by ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while not self.health():
             if time.monotonic() > deadline:
                 raise VLLMServerError(f"vLLM server at {self.url} not ready within {timeout:g} s")
             time.sleep(poll)
 
-    def generate(
-        self,
-        prompts: list[str],
-        images: list[list[str]],
-        sampling: dict,
-        seeds: list[int | None] | None = None,
-    ) -> dict:
-        """Completions for templated prompts with base64 images; G = ``sampling["n"]`` per prompt.
+    def model(self) -> str:
+        """The served model's name (``/v1/models``), as chat requests must give it."""
+        if self._model is None:
+            self._model = self.request("GET", "/v1/models")["data"][0]["id"]
+        return self._model
 
-        ``seeds``: one vLLM seed per prompt (overrides ``sampling["seed"]``)."""
-        body = {"prompts": prompts, "images": images, "sampling": sampling}
-        if seeds is not None:
-            body["seeds"] = seeds
-        return self.request("POST", "/generate", json=body)
+    def plugin_info(self) -> dict | None:
+        """``/lightning_vlm/info`` of a server with our plugin; None for a plain vLLM server."""
+        try:
+            return self.request("GET", "/lightning_vlm/info")
+        except VLLMServerError as exc:
+            if " answered 404" in str(exc):
+                return None
+            raise
 
-    def update_weights_from_path(self, path: str | Path) -> dict:
-        """Reload from a folder of safetensors that the server can read (shared filesystem)."""
-        return self.request("POST", "/update_weights", json={"path": str(path)})
+    def weight_version(self) -> str | None:
+        """vLLM's weight version label (``/weight_info``, dev mode); None where the server has none."""
+        try:
+            return self.request("GET", "/weight_info")["weight_version"]
+        except VLLMServerError as exc:
+            if " answered 404" in str(exc):
+                return None
+            raise
 
-    def update_weights_from_bytes(self, blob: bytes) -> dict:
-        """Reload from a safetensors blob sent in the request body (no shared filesystem needed)."""
-        headers = {"Content-Type": "application/octet-stream"}
-        return self.request("POST", "/update_weights", data=blob, headers=headers)
+    def chat(self, body: dict) -> dict:
+        """``POST /v1/chat/completions`` (the model name filled in)."""
+        return self.request("POST", "/v1/chat/completions", json={"model": self.model(), **body})
 
-    def sleep(self, level: int = 1) -> dict:
-        """Free the server's GPU memory (GPU servers started with --enable-sleep-mode)."""
-        return self.request("POST", "/sleep", json={"level": level})
+    def reload_weights(self, path: str | None = None, blob: bytes | None = None, version: str = "") -> dict:
+        """Load new weights: a folder the server reads, or a safetensors ``blob`` (our plugin only)."""
+        if blob is not None:
+            headers = {"Content-Type": "application/octet-stream"}
+            return self.request("POST", "/lightning_vlm/reload_weights", data=blob, headers=headers,
+                                params={"weight_version": version})  # fmt: skip
+        return self.request(
+            "POST", "/lightning_vlm/reload_weights", json={"path": path, "weight_version": version}
+        )
 
-    def wake_up(self) -> dict:
+    def reload_weights_dev_mode(self, path: str, version: str) -> None:
+        """The same through a plain vLLM server's dev endpoints (unchecked: a bad folder kills its engine)."""
+        self.request(
+            "POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}}
+        )
+        self.request("POST", "/reset_prefix_cache")
+        self.request("POST", "/reset_encoder_cache")
+        self.request("POST", "/update_weight_version", json={"new_version": version})
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the server's GPU memory (dev mode, ``--enable-sleep-mode``)."""
+        self.request("POST", "/sleep", params={"level": level})
+
+    def wake_up(self) -> None:
         """Undo ``sleep``."""
-        return self.request("POST", "/wake_up", json={})
+        self.request("POST", "/wake_up")
 
     def close(self) -> None:
         """Close pooled connections (the server keeps running)."""
         self.session.close()
 
 
-def encode_image(image: Any) -> str:
-    """A PIL image as base64 PNG (lossless: vLLM sees the trainer's pixels)."""
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-class VLLMServerGenerator:
-    """A ``Generator`` that samples on a ``lightning_vlm.serve`` server and pushes weights to it.
-
-    Weights go as a safetensors folder the server reads (``transfer="folder"``, a shared filesystem)
-    or in the request body (``transfer="body"``). Same sampling behaviour as ``HFGenerator``.
-    """
-
-    is_policy = False
-
-    def __init__(
-        self, vlm: Any, client: VLLMServerClient, transfer: str = "folder", sync_dir: str | None = None
-    ) -> None:
-        if transfer not in TRANSFERS:
-            raise ValueError(f"transfer must be one of {TRANSFERS}, got {transfer!r}")
-        self.vlm = vlm
-        self.client = client
-        self.transfer = transfer
-        self._tmp = None if sync_dir else tempfile.TemporaryDirectory(prefix="lightning-vlm-sync-")
-        self.sync_dir = Path(sync_dir or self._tmp.name)
-        self.seed: int | None = None
-        self._version = 0  # pushes so far (names the folder of each)
-
-    def set_seed(self, seed: int | None) -> None:
-        """Seed the following generations (one vLLM seed per prompt, ``request_seeds``); None: unseeded."""
-        self.seed = seed
-
-    def generate(self, rows: list[dict], num_generations: int, sampling: SamplingSettings) -> Rollouts:
-        """``num_generations`` completions per row (consecutive), cut after the end-of-turn token."""
-        vlm = self.vlm
-        prompts = [vllm_inputs(vlm.processor, r["prompt"], [])["prompt"] for r in rows]
-        images = [[encode_image(im) for im in r.get("images", [])] for r in rows]
-        params = sampling_kwargs(sampling, num_generations, vlm.end_of_turn_id, vlm.suppressed_token_ids)
-        seeds = request_seeds(self.seed, len(rows), num_generations) if self.seed is not None else None
-        out = self.client.generate(prompts, images, params, seeds)
-        rollouts = build_rollouts(
-            rows, num_generations, out["completion_ids"], out["logprobs"], vlm.end_of_turn_id,
-            vlm.tokenizer, "vllm_server",
-        )  # fmt: skip
-        # How many weight pushes the server had taken when it sampled these (staleness checks).
-        rollouts.extras["weight_version"] = out.get("weight_version")
-        return rollouts
-
-    def sync_weights(self, chunks: Iterable[dict[str, Any]] | None = None) -> float:
-        """Push the policy (LoRA merged) to the server; seconds taken, transfer included.
-
-        ``chunks`` (FSDP units, see ``policy_weights``): with ``transfer="folder"`` each unit is written
-        to its own file as it is gathered, so the full model is never in memory at once.
-        """
-        start = time.perf_counter()
-        if self.transfer == "body":
-            self.client.update_weights_from_bytes(weights_to_bytes(policy_weights(self.vlm, chunks)))
-            return time.perf_counter() - start
-        # A fresh folder per push: the server reads every *.safetensors of it, none from the last push.
-        self._version += 1
-        folder = self.sync_dir / f"v{self._version}"
-        parts = (
-            [policy_weights(self.vlm)] if chunks is None else (policy_weights(self.vlm, [c]) for c in chunks)
-        )
-        for i, weights in enumerate(parts):
-            write_weights(weights, folder, name=f"model-{i:05d}.safetensors")
-        self.client.update_weights_from_path(folder)
-        shutil.rmtree(self.sync_dir / f"v{self._version - 1}", ignore_errors=True)
-        return time.perf_counter() - start
-
-    def sleep(self) -> None:
-        """No-op: a server on its own device needs no room for the trainer's backward."""
-
-    def wake_up(self) -> None:
-        """No-op (see ``sleep``)."""
-
-    def close(self) -> None:
-        """Close the client; the server is not ours to stop."""
-        self.client.close()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now on ``host`` (the OS picks it)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def start_server(
-    model: str, port: int | None = None, host: str = "127.0.0.1", args: list[str] | None = None,
-    log_path: str | None = None,
-) -> tuple[Any, str]:  # fmt: skip
-    """Start ``python -m lightning_vlm.serve`` in a subprocess; returns (process, url). Not waited for."""
-    import os
-    import subprocess
-    import sys
-
-    port = port or free_port(host)
-    cmd = [sys.executable, "-m", "lightning_vlm.serve", str(model), "--host", host, "--port", str(port)]
-    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (lives with the process)
-    env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
-    proc = subprocess.Popen([*cmd, *(args or [])], stdout=out, stderr=subprocess.STDOUT, env=env)
-    return proc, f"http://{host}:{port}"
-
-
-def stop_server(proc: Any, timeout: float = 30.0) -> int:
-    """SIGTERM the server process (it shuts down cleanly), SIGKILL after ``timeout``; its exit code."""
-    import subprocess
-
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            return proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    return proc.wait(timeout)
+def _reason(exc: Exception) -> str:
+    text = str(exc)
+    for known in ("Connection refused", "Connection reset", "Remote end closed", "Max retries exceeded"):
+        if known in text:
+            return known.lower() if known != "Max retries exceeded" else "no connection"
+    return type(exc).__name__

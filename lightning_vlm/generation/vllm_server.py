@@ -1,0 +1,205 @@
+"""Sampling on a vLLM server (``/v1/chat/completions``) and pushing the policy's weights to it.
+
+One chat request per prompt row asks for its ``num_generations`` completions (``n``), with that row's
+seed, the token ids (``return_token_ids``) and each chosen token's log-prob; the rows' requests run
+concurrently, so vLLM batches them. Sampling matches ``HFGenerator`` (``sampling_kwargs``).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from lightning_vlm.generation.base import Rollouts, SamplingSettings
+from lightning_vlm.generation.vllm_sampling import build_rollouts, request_seeds, sampling_kwargs
+from lightning_vlm.generation.vllm_server_client import VLLMServerClient, VLLMServerError
+from lightning_vlm.generation.weight_sync import policy_weights, weights_to_bytes, write_weights
+
+log = logging.getLogger(__name__)
+TRANSFERS = ("folder", "body")
+
+
+def image_url(image: Any) -> str:
+    """A PIL image as a PNG data URL (lossless: vLLM sees the trainer's pixels)."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def openai_messages(messages: list[dict], images: list[Any]) -> list[dict]:
+    """Our messages (``{"type": "image"}`` blocks, images beside them) in OpenAI's chat format."""
+    urls = iter([image_url(im) for im in images])
+    out = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, list):
+            content = [
+                {"type": "image_url", "image_url": {"url": next(urls)}} if block["type"] == "image" else block
+                for block in content
+            ]
+        out.append({**message, "content": content})
+    return out
+
+
+def chat_body(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``sampling_kwargs`` (vLLM ``SamplingParams`` names) as chat-completion fields."""
+    body = {k: v for k, v in kwargs.items() if k not in ("logprobs", "logit_bias") and v is not None}
+    if kwargs.get("logit_bias"):
+        body["logit_bias"] = {str(k): v for k, v in kwargs["logit_bias"].items()}
+    # The chosen token's log-prob (no alternatives) and the ids, not only the text.
+    body.update(logprobs=True, top_logprobs=0, return_token_ids=True)
+    return body
+
+
+class VLLMServerGenerator:
+    """A ``Generator`` sampling on a vLLM server, which it keeps on the policy's weights.
+
+    Weights go as safetensors in a folder the server reads (``transfer="folder"``: a shared
+    filesystem) or in the request body (``"body"``, our plugin only). Each push is labelled with a
+    weight version; before sampling, a server whose version differs (it restarted) gets the policy again.
+    """
+
+    is_policy = False
+
+    def __init__(
+        self, vlm: Any, client: VLLMServerClient, transfer: str = "folder", sync_dir: str | None = None,
+        max_concurrency: int = 16,
+    ) -> None:  # fmt: skip
+        if transfer not in TRANSFERS:
+            raise ValueError(f"transfer must be one of {TRANSFERS}, got {transfer!r}")
+        self.vlm = vlm
+        self.client = client
+        self.transfer = transfer
+        self.plugin = client.plugin_info() is not None
+        if transfer == "body" and not self.plugin:
+            raise VLLMServerError(
+                f"{client.url} is a plain vLLM server: weight_transfer=body needs lightning_vlm's plugin "
+                "(start it with `python -m lightning_vlm.serve`, or VLLM_PLUGINS=lightning_vlm)"
+            )
+        log.info("vLLM server at %s: %s", client.url,
+                 "lightning_vlm.serve (checked weight updates)" if self.plugin else "plain vLLM (dev-mode updates)")  # fmt: skip
+        self._tmp = None if sync_dir else tempfile.TemporaryDirectory(prefix="lightning-vlm-sync-")
+        self.sync_dir = Path(sync_dir or self._tmp.name)
+        self.pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="vllm-server")
+        self.seed: int | None = None
+        self.version: str | None = None  # the label of the policy's last push; None before the first
+        self._pushes = 0
+        self._folders = 0
+        self._sharded = False
+        self.resyncs = 0
+
+    def set_seed(self, seed: int | None) -> None:
+        """Seed the following generations (one vLLM seed per prompt, ``request_seeds``); None: unseeded."""
+        self.seed = seed
+
+    def generate(self, rows: list[dict], num_generations: int, sampling: SamplingSettings) -> Rollouts:
+        """``num_generations`` completions per row (consecutive), cut after the end-of-turn token."""
+        vlm = self.vlm
+        params = chat_body(
+            sampling_kwargs(sampling, num_generations, vlm.end_of_turn_id, vlm.suppressed_token_ids)
+        )
+        seeds = request_seeds(self.seed, len(rows), num_generations)
+        bodies = [
+            {**params, "messages": openai_messages(r["prompt"], r.get("images", [])),
+             **({"seed": s} if s is not None else {})}
+            for r, s in zip(rows, seeds, strict=True)
+        ]  # fmt: skip
+        while True:
+            version = self.ensure_weights()
+            reconnects = self.client.reconnects
+            answers = list(self.pool.map(self.client.chat, bodies))
+            if self.client.reconnects == reconnects:
+                break
+            # The connection dropped and came back: the answers may come from a restarted server.
+            log.warning("vLLM server reconnected during generation: checking its weights, sampling again")
+        ids, logprobs = [], []
+        for answer in answers:
+            for choice in sorted(answer["choices"], key=lambda c: c["index"]):
+                ids.append([int(t) for t in choice["token_ids"]])
+                logprobs.append(
+                    [float(t["logprob"]) for t in (choice.get("logprobs") or {}).get("content") or []]
+                )
+        rollouts = build_rollouts(rows, num_generations, ids, logprobs, vlm.end_of_turn_id, vlm.tokenizer,
+                                  "vllm_server")  # fmt: skip
+        rollouts.extras["weight_version"] = version  # the weights these were sampled with
+        return rollouts
+
+    def ensure_weights(self) -> str | None:
+        """The server's weight version, after pushing the policy again if the server lost it."""
+        server = self.client.weight_version()
+        if self.version is None or server is None or server == self.version:
+            return server
+        if self._sharded:
+            raise VLLMServerError(
+                f"vLLM server at {self.client.url} holds weights {server!r}, not {self.version!r} (restarted?); "
+                "under FSDP they can only be gathered at a step: resume the run from last.ckpt"
+            )
+        log.warning("vLLM server at %s holds weights %r, not %r (restarted?): pushing the policy again",
+                    self.client.url, server, self.version)  # fmt: skip
+        self.resyncs += 1
+        self._push(None, self.version)
+        return self.version
+
+    def sync_weights(
+        self, chunks: Iterable[dict[str, Any]] | None = None, version: str | None = None
+    ) -> float:
+        """Push the policy (LoRA merged) to the server under ``version``; seconds taken, transfer included.
+
+        ``chunks`` (FSDP units, see ``policy_weights``): with ``transfer="folder"`` each unit is written
+        to its own file as it is gathered, so the full model is never in memory at once.
+        """
+        start = time.perf_counter()
+        self._pushes += 1
+        self._sharded = chunks is not None
+        self._push(chunks, version or f"push-{self._pushes}")
+        return time.perf_counter() - start
+
+    def expect_version(self, version: str, sharded: bool = False) -> None:
+        """Another process pushed the policy as ``version`` (DDP: rank 0 pushes for all)."""
+        self.version = version
+        self._sharded = sharded
+
+    def _push(self, chunks: Iterable[dict[str, Any]] | None, version: str) -> None:
+        if self.transfer == "body":
+            self.client.reload_weights(
+                blob=weights_to_bytes(policy_weights(self.vlm, chunks)), version=version
+            )
+            self.version = version
+            return
+        # A fresh folder per push: the server reads every *.safetensors of it, none from the last push.
+        previous = sorted(self.sync_dir.glob("v*"))
+        self._folders += 1
+        folder = self.sync_dir / f"v{self._folders:06d}"
+        parts = (
+            [policy_weights(self.vlm)] if chunks is None else (policy_weights(self.vlm, [c]) for c in chunks)
+        )
+        for i, weights in enumerate(parts):
+            write_weights(weights, folder, name=f"model-{i:05d}.safetensors")
+        if self.plugin:
+            self.client.reload_weights(path=str(folder), version=version)
+        else:
+            self.client.reload_weights_dev_mode(str(folder), version)
+        self.version = version
+        for old in previous:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def sleep(self) -> None:
+        """No-op: a server on its own device needs no room for the trainer's backward."""
+
+    def wake_up(self) -> None:
+        """No-op (see ``sleep``)."""
+
+    def close(self) -> None:
+        """Close the client; the server is not ours to stop."""
+        self.pool.shutdown(wait=False)
+        self.client.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
