@@ -162,6 +162,7 @@ def policy_loss(
     level: Level = "token",
     loss_type: LossType = "dapo",
     is_weights: torch.Tensor | None = None,
+    entropy_mask: torch.Tensor | None = None,
     max_completion_length: int | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     num_sequences_in_batch: int | float | torch.Tensor | None = None,
@@ -171,13 +172,17 @@ def policy_loss(
     ``old_logps=None`` means on-policy (one optimisation step per generation): π_old = sg[π], so
     r = 1 in value but gradients still flow. ``is_weights`` (from ``importance.rollout_correction``)
     rescale only the surrogate, as in TRL: they correct for sampling from the rollout engine, while
-    the KL term is already an expectation under the trainer's own samples.
+    the KL term is already an expectation under the trainer's own samples. ``entropy_mask`` (0/1 [N, T],
+    ``top_entropy_quantile``) zeroes the surrogate of the other tokens, as TRL: the KL term and the
+    loss normalisers still count every token of ``mask``.
     """
     if old_logps is None:
         old_logps = logps.detach()
     per_token, metrics = clipped_surrogate(
         logps, old_logps, advantages, mask, epsilon_low, epsilon_high, level
     )
+    if entropy_mask is not None:
+        per_token = per_token * entropy_mask.detach()
     if is_weights is not None:
         per_token = per_token * is_weights.detach()
         metrics["is_weight/mean"] = _masked_mean(is_weights.detach(), mask)

@@ -55,10 +55,12 @@ class GRPO(OnlineRL):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
         hp = self.hparams
         mask = batch.completion_mask[index].to(logps.dtype)
+        entropy_mask = None
         if hp.top_entropy_quantile < 1.0 and entropy is not None and mask.any():
-            # Train only on the highest-entropy ("forking") tokens (Wang et al. 2025), as TRL.
+            # Train only on the highest-entropy ("forking") tokens (Wang et al. 2025), as TRL: the others'
+            # surrogate is zeroed, but they still count in the normalisers and the KL term.
             threshold = torch.quantile(entropy[mask.bool()].detach(), 1.0 - hp.top_entropy_quantile)
-            mask = mask * (entropy.detach() >= threshold).to(mask.dtype)
+            entropy_mask = mask * (entropy.detach() >= threshold).to(mask.dtype)
         loss, stats = policy_loss(
             logps,
             None if batch.old_logps is None else batch.old_logps[index],
@@ -71,6 +73,7 @@ class GRPO(OnlineRL):
             level=hp.importance_sampling_level,
             loss_type=hp.loss_type,
             is_weights=None if batch.is_weights is None else batch.is_weights[index],
+            entropy_mask=entropy_mask,
             max_completion_length=self.sampling.max_new_tokens,
             # Normalisers of the whole optimizer step over all ranks, so neither accumulation nor the
             # number of processes changes the update.

@@ -1,0 +1,89 @@
+"""Online DPO's settings through a real training step, against the loss written out by hand: the
+``sigmoid`` and ``ipo`` losses, ``missing_eos_penalty`` and ties (equal rewards: the pair is skipped).
+
+One optimizer step (SGD lr 1, no clipping) on fixed pairs of chosen lengths and rewards; the reference
+is the initial policy, so its log-probs are the policy's own at the start (detached).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hand_helpers import assert_same_update, hand_update, shaped_rollouts, step_update, table_reward
+
+from lightning_vlm.data.synthetic import synthetic_rows
+from lightning_vlm.methods.online_dpo import OnlineDPO
+from lightning_vlm.models.vlm import VLM
+
+BETA = 0.1
+LENGTHS = [2, 5, 6, 3, 4, 1, 3, 6]
+# pairs: (finished, truncated), (truncated, finished), (finished, finished), (finished, finished)
+FINISHED = [True, False, False, True, True, True, True, True]
+REWARDS = [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 0.0, 3.0]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_path):
+    path = tiny_path("qwen2_5_vl")
+    rows = synthetic_rows("prompt", 4, seed=5)
+    rollouts = shaped_rollouts(VLM(path), rows, 2, LENGTHS, FINISHED, seed=1)
+    return path, rows, rollouts
+
+
+def penalised(penalty: float | None) -> list[float]:
+    """TRL's missing_eos_penalty: subtracted from the reward of every completion without an end of turn."""
+    return [r - (penalty or 0.0) * (not done) for r, done in zip(REWARDS, FINISHED, strict=True)]
+
+
+def pairs_by_hand(rewards: list[float]) -> list[tuple[int, int]]:
+    """(chosen, rejected) completion indices of the pairs whose rewards differ; ties are skipped."""
+    out = []
+    for p in range(len(rewards) // 2):
+        a, b = 2 * p, 2 * p + 1
+        if rewards[a] != rewards[b]:
+            out.append((a, b) if rewards[a] > rewards[b] else (b, a))
+    return out
+
+
+def dpo_loss_by_hand(loss_type: str, pairs: list[tuple[int, int]]):
+    def loss(logps, entropy, mask):
+        total = (logps * mask).sum(-1)
+        ratio = total - total.detach()  # log π/π_ref of each completion (π_ref: the initial policy)
+        lengths = mask.sum(-1)
+        per_pair = []
+        for c, r in pairs:
+            if loss_type == "sigmoid":
+                per_pair.append(-F.logsigmoid(BETA * (ratio[c] - ratio[r])))
+            else:  # IPO: the length-averaged margin regressed to 1/(2β)
+                margin = ratio[c] / lengths[c] - ratio[r] / lengths[r]
+                per_pair.append((margin - 1 / (2 * BETA)) ** 2)
+        return torch.stack(per_pair).sum() / len(pairs)
+
+    return loss
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "penalty", "expected_pairs"),
+    [
+        # ties everywhere but the last pair: (1, 1), (1, 1), (2, 2) are skipped
+        ("sigmoid", None, [(7, 6)]),
+        # the penalty breaks the first two ties in favour of the finished completion
+        ("sigmoid", 0.5, [(0, 1), (3, 2), (7, 6)]),
+        ("ipo", 0.5, [(0, 1), (3, 2), (7, 6)]),
+        ("ipo", None, [(7, 6)]),
+    ],
+    ids=["sigmoid-ties", "sigmoid-eos_penalty", "ipo-eos_penalty", "ipo-ties"],
+)
+def test_online_dpo_step_follows_the_loss_penalty_and_skips_ties(setup, loss_type, penalty, expected_pairs):
+    path, rows, rollouts = setup
+    pairs = pairs_by_hand(penalised(penalty))
+    assert pairs == expected_pairs
+    expected, value = hand_update(path, rollouts, dpo_loss_by_hand(loss_type, pairs))
+    update, metrics = step_update(path, OnlineDPO, rows, rollouts, reward_funcs=[table_reward(rollouts, REWARDS)],
+                                  loss_type=loss_type, missing_eos_penalty=penalty, beta=BETA)  # fmt: skip
+    assert_same_update(update, expected)
+    assert metrics["train/valid_pair_frac"] == pytest.approx(len(pairs) / 4)
+    # policy == reference at the first step: every margin is 0
+    assert value == pytest.approx(25.0 if loss_type == "ipo" else 0.6931472, rel=1e-5)
+    assert metrics["train/loss"] == pytest.approx(value, rel=1e-5)
