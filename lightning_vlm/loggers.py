@@ -1,15 +1,35 @@
-"""Experiment loggers: Weights & Biases that never prompts for a login, with CSV as the fallback."""
+"""Experiment loggers: Weights & Biases that never prompts for a login, with CSV as the fallback, and
+whose run a resumed training continues.
+
+A resume continues the same W&B run: :class:`WandbRunId` writes the run's id into every checkpoint, and
+``train()`` reads it from ``ckpt_path`` (:func:`wandb_run_id`) before the logger is built, which then
+passes it to ``wandb.init`` with Lightning's ``resume="allow"``. A resume from ``last.ckpt`` redoes the
+steps after the checkpoint (bitwise the same, tests/test_kill9_resume.py); an online run that resumed
+knows the last step its history holds (its summary's ``trainer/global_step``), and
+:class:`ResumingWandbLogger` does not log those steps again. Offline there is no history to read: the
+resumed run gets a new offline folder with the same run id (``wandb sync`` uploads a run's folders in
+the order they started), holding the redone steps a second time, with the same values.
+"""
 
 from __future__ import annotations
 
 import logging
 import netrc
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+import lightning as L
+import torch
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
 
 log = logging.getLogger(__name__)
+# Where a checkpoint keeps the W&B run it belongs to: {"id": ..., "project": ...}.
+WANDB_RUN_KEY = "wandb_run"
+# The x-axis Lightning logs every metric against (WandbLogger.log_metrics).
+STEP_METRIC = "trainer/global_step"
 
 
 def wandb_account_configured() -> bool:
@@ -44,7 +64,7 @@ def wandb_or_csv(
     try:
         import wandb  # noqa: F401
 
-        return WandbLogger(
+        return ResumingWandbLogger(
             save_dir=save_dir, project=project, name=name, offline=offline, tags=list(tags or []), **kwargs
         )
     except Exception as err:  # wandb missing or broken: keep the run, log to CSV
@@ -58,3 +78,82 @@ def finish_runs(loggers: list[Logger]) -> None:
     for lg in loggers:
         if isinstance(lg, WandbLogger) and lg._experiment is not None:
             lg.experiment.finish()
+
+
+class ResumingWandbLogger(WandbLogger):
+    """A ``WandbLogger`` that, in a run W&B resumed (online), skips the steps its history already has: the
+    steps a resume from a checkpoint redoes were logged by the run that crashed."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._history_end: int | None = None  # last step in the run's history before this process
+
+    def _logged_through(self) -> int:
+        if self._history_end is None:
+            run = self.experiment
+            last = run.summary.get(STEP_METRIC) if getattr(run, "resumed", False) else None
+            self._history_end = int(last) if isinstance(last, int | float) else -1
+            if self._history_end >= 0:
+                # Said once: a resume from an older checkpoint (other settings) would drop real values.
+                log.warning(
+                    "W&B run %s resumed: its history reaches %s=%d, so steps up to it (redone since the "
+                    "checkpoint) are not logged again", run.id, STEP_METRIC, self._history_end,
+                )  # fmt: skip
+        return self._history_end
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Logs ``metrics`` at ``step`` unless the resumed run's history already reaches ``step``."""
+        if step is not None and step <= self._logged_through():
+            return
+        super().log_metrics(metrics, step)
+
+
+class WandbRunId(L.Callback):
+    """Writes the W&B run of the trainer's ``WandbLogger`` into every checkpoint (``WANDB_RUN_KEY``), so
+    that a resume from it continues that run. ``train()`` adds it whenever a ``WandbLogger`` logs."""
+
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Adds ``{"id", "project"}`` of the first ``WandbLogger``'s run, on rank 0 (the one that writes
+        the file; the other ranks have no run)."""
+        if not trainer.is_global_zero:
+            return
+        for lg in trainer.loggers:
+            if isinstance(lg, WandbLogger):
+                run_id = lg.experiment.id  # starts the run if nothing was logged yet
+                if run_id:
+                    checkpoint[WANDB_RUN_KEY] = {"id": str(run_id), "project": lg.name}
+                return
+
+
+def wandb_run_id(ckpt_path: str | os.PathLike | None) -> str | None:
+    """The W&B run id stored in the local checkpoint at ``ckpt_path`` (a file, or a sharded checkpoint's
+    folder), or ``None``: none stored, no such local file, or a file that does not load (the fit's own
+    load then says what is wrong with it). Read with ``weights_only=True`` and memory-mapped."""
+    if not ckpt_path or "://" in str(ckpt_path):
+        return None
+    path = Path(ckpt_path)
+    # Lightning's sharded (FSDP) checkpoints keep everything but the tensors in meta.pt.
+    file = path / "meta.pt" if path.is_dir() else path
+    if not file.is_file():
+        return None
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # damaged, not a zip checkpoint, ...: reported by the fit's load
+        log.debug("no W&B run id read from %s: %s", file, err)
+        return None
+    run = state.get(WANDB_RUN_KEY) if isinstance(state, dict) else None
+    return str(run["id"]) if isinstance(run, dict) and run.get("id") else None
+
+
+def builds_wandb(target: str) -> bool:
+    """Whether the ``_target_`` ``target`` builds a ``WandbLogger`` (this module's factory, or a subclass)."""
+    import hydra
+
+    try:
+        built = hydra.utils.get_object(target)
+    except Exception:  # not importable: instantiating the node reports it
+        return False
+    return built is wandb_or_csv or (isinstance(built, type) and issubclass(built, WandbLogger))

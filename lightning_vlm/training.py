@@ -12,9 +12,10 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_vlm.config  # noqa: F401  (registers the ${tiny_vlm:...} resolver)
+from lightning_vlm.callbacks.resume import NextEpochAfterRestart
 from lightning_vlm.callbacks.run_report import finish_reports
 from lightning_vlm.ckpt_path import checkpoint_to_load, restore_errors
-from lightning_vlm.loggers import finish_runs
+from lightning_vlm.loggers import WandbRunId, builds_wandb, finish_runs, wandb_run_id
 from lightning_vlm.models.scale_guard import check_model_scale
 from lightning_vlm.parallel.collectives import launcher_rank
 from lightning_vlm.settings_check import check_settings
@@ -42,6 +43,35 @@ def instantiate_group(cfg: DictConfig | None) -> list[Any]:
         for node in cfg.values()
         if isinstance(node, DictConfig) and "_target_" in node
     ]
+
+
+def instantiate_loggers(cfg: DictConfig | None, wandb_id: str | None = None) -> list[Any]:
+    """The logger group's loggers; W&B ones continue run ``wandb_id`` (the resumed checkpoint's) unless
+    their node names a run itself (``id``/``version``)."""
+    loggers = []
+    for node in (cfg or {}).values():
+        if not (isinstance(node, DictConfig) and "_target_" in node):
+            continue
+        extra = {}
+        if (
+            wandb_id
+            and node.get("id") is None
+            and node.get("version") is None
+            and builds_wandb(node._target_)
+        ):
+            log.info("Continuing W&B run %s: its id is stored in ckpt_path", wandb_id)
+            extra["id"] = wandb_id
+        loggers.append(hydra.utils.instantiate(node, **extra))
+    return loggers
+
+
+def resume_callbacks(loggers: list[Any]) -> list[L.Callback]:
+    """Callbacks every run gets, whatever ``callbacks=`` says, so that its checkpoints resume it exactly:
+    Lightning's epoch counters repaired after a restart on an epoch's last batch, and the W&B run's id."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    wandb = any(isinstance(lg, WandbLogger) for lg in loggers)
+    return [NextEpochAfterRestart(), *([WandbRunId()] if wandb else [])]
 
 
 def drop_refused(callbacks: list[Any], trainer_cfg: DictConfig, has_logger: bool) -> list[Any]:
@@ -81,8 +111,11 @@ def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     """Runs one training job; returns the final logged metrics and the objects it built."""
     datamodule, module = build(cfg)
-    loggers = instantiate_group(cfg.get("logger"))
+    # The logger exists before the checkpoint loads (the Trainer takes it): a resumed run's W&B id is
+    # read from ckpt_path first, so the run continues instead of starting a second one.
+    loggers = instantiate_loggers(cfg.get("logger"), wandb_run_id(cfg.get("ckpt_path")))
     callbacks = drop_refused(instantiate_group(cfg.get("callbacks")), cfg.trainer, bool(loggers))
+    callbacks += resume_callbacks(loggers)
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     check_launch(trainer)
     # A local file or folder only (a URL would be unpickled with weights_only=False), loaded weights-only.
