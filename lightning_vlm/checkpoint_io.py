@@ -120,8 +120,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise CheckpointLoadError(_refused(path, err)) from None
         except (FileNotFoundError, PermissionError, IsADirectoryError):
             raise  # their own messages name the path and say what is wrong
-        except (RuntimeError, EOFError, OSError) as err:
-            # How a short or damaged file shows: the zip reader's RuntimeError, EOF, or a seek past its start.
+        except Exception as err:
+            # How a short or damaged file shows: the zip reader's RuntimeError, EOF, a seek past its start,
+            # or (random bytes read as a legacy pickle) whatever the unpickler trips on, e.g. a KeyError.
             raise CheckpointLoadError(
                 f"ckpt_path={str(path)!r} could not be read as a PyTorch checkpoint "
                 f"({type(err).__name__}: {_first_line(err) or 'the file ends early'}): the file is empty, "
@@ -134,11 +135,12 @@ def _first_line(err: BaseException) -> str:
 
 
 def _refused(path: _PATH, err: pickle.UnpicklingError) -> str:
-    # torch's message: a preamble, then "WeightsUnpickler error: <what it met>", then advice.
-    text = str(err)
-    detail = text.split("WeightsUnpickler error:", 1)[1] if "WeightsUnpickler error:" in text else text
-    detail = " ".join(detail.split()).split(" Please use `torch.serialization", 1)[0]
-    detail = detail.split(" Check the documentation of torch.load", 1)[0].strip().rstrip(".")
+    # torch's message: a preamble that advises weights_only=False (running the file's code), "what it
+    # met" (after "WeightsUnpickler error:" in some versions), then pointers to its docs. Only what it met.
+    text = str(err).split("WeightsUnpickler error:", 1)[-1]
+    advice = ("weights_only", "Weights only load failed", "Check the documentation", "torch.serialization")
+    kept = [" ".join(p.split()) for p in text.split("\n\n") if p.strip() and not any(a in p for a in advice)]
+    detail = " ".join(kept).strip().rstrip(".") or "an object that is not a tensor or a plain value"
     return (
         f"ckpt_path={str(path)!r}: Weights only load failed ({detail}). lightning-vlm checkpoints hold only "
         "tensors and plain values, and load with weights_only=True, which never runs code from the file; "

@@ -54,9 +54,25 @@ def is_loopback(host: str | None) -> bool:
         return False
 
 
+def installed_vllm_plugins() -> list[str]:
+    """Names of the installed plugins of vLLM's entry-point groups (``vllm.*``) other than endpoints."""
+    from importlib.metadata import distributions
+
+    # Per distribution: entry_points() without a group changed its return type across Python 3.10-3.12.
+    return [
+        ep.name
+        for dist in distributions()
+        for ep in dist.entry_points
+        if ep.group.startswith("vllm.") and ep.group != "vllm.endpoint_plugins"
+    ]
+
+
 def set_environment(cuda: bool) -> None:
     """Before vLLM is imported: our plugin allowlisted, dev endpoints on, CPU engine settings."""
-    plugins = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
+    # Endpoint plugins load only when VLLM_PLUGINS names them, but a VLLM_PLUGINS that is set is an
+    # allowlist for every plugin group: unset, it must name all installed plugins, not ours alone.
+    current = os.environ.get("VLLM_PLUGINS")
+    plugins = [p for p in current.split(",") if p] if current is not None else installed_vllm_plugins()
     os.environ["VLLM_PLUGINS"] = ",".join(dict.fromkeys([*plugins, PLUGIN]))
     # The RL weight-transfer and sleep endpoints are dev-mode routes in vLLM.
     os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")
@@ -84,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not torch.cuda.is_available() and args.dtype == "auto":
         args.dtype = "float32"  # as the colocated engine: half-precision kernels are slow or missing on CPU
     validate_parsed_serve_args(args)
-    key = args.api_key or os.environ.get("VLLM_API_KEY")
+    key = any(args.api_key or []) or bool(os.environ.get("VLLM_API_KEY"))  # --api-key "" is no key
     if not is_loopback(args.host) and not key and not own.allow_remote_without_api_key:
         parser.error(
             f"--host {args.host or '(all interfaces)'} is reachable from other machines: give --api-key "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,13 +58,12 @@ def engine_core(proc) -> psutil.Process:
 class CrashEngineAndRestart(L.Callback):
     """At ``step`` (after VLLMGeneration pushed that step's weights), SIGKILLs the engine core of the
     server that callback started, records what ``/health`` answers until vLLM's server exits, then
-    starts the same server on the same port in the background (the training run meanwhile retries)."""
+    starts the same server again on the same port (the training run retries until it is up)."""
 
     def __init__(self, vllm_callback, step: int) -> None:
         self.vllm, self.step = vllm_callback, step
         self.health: list[int] = []
         self.generator = None
-        self.restarted = threading.Event()
         self.proc = None  # the restarted server: the test stops it
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -74,18 +72,15 @@ class CrashEngineAndRestart(L.Callback):
         self.generator = pl_module.generator
         proc, url = self.vllm._server_process, self.vllm.server["url"]
         engine_core(proc).kill()
-        while proc.poll() is None:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
             try:
                 self.health.append(requests.get(f"{url}/health", timeout=2).status_code)
             except requests.RequestException:
                 pass
             time.sleep(0.2)
         stop_server(proc)  # reap what is left of its process group
+        # Started here, not waited for: the run's next requests find nobody listening until it is up.
+        # (From this thread: the server dies with the thread that started it, PR_SET_PDEATHSIG.)
         model, port = pl_module.vlm.model_name_or_path, int(url.rsplit(":", 1)[1])
-
-        def restart() -> None:
-            time.sleep(1.0)
-            self.proc, _ = start_server(model, port=port, args=self.vllm._server_cli_args())
-            self.restarted.set()
-
-        threading.Thread(target=restart, daemon=True).start()
+        self.proc, _ = start_server(model, port=port, args=self.vllm._server_cli_args())

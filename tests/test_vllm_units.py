@@ -124,7 +124,7 @@ def test_generation_configs_compose_and_instantiate(generation, tmp_path):
 
 
 def test_the_launcher_takes_vllms_options_with_safe_defaults(monkeypatch):
-    from lightning_vlm.serve import is_loopback, parse_args
+    from lightning_vlm.serve import installed_vllm_plugins, is_loopback, parse_args
 
     for name in ("VLLM_PLUGINS", "VLLM_SERVER_DEV_MODE", "VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE",
                  "VLLM_API_KEY", "LIGHTNING_VLM_MAX_REQUEST_MB"):  # fmt: skip
@@ -132,7 +132,9 @@ def test_the_launcher_takes_vllms_options_with_safe_defaults(monkeypatch):
     args = parse_args(["MODEL", "--max-num-seqs", "2"])
     assert (args.model, args.host, args.port, args.max_num_seqs) == ("MODEL", "127.0.0.1", 8000, 2)
     assert args.dtype == "float32" and args.enforce_eager and args.logprobs_mode == "processed_logprobs"
-    assert os.environ["VLLM_PLUGINS"] == "lightning_vlm" and os.environ["VLLM_SERVER_DEV_MODE"] == "1"
+    # Ours is added to the installed plugins: a VLLM_PLUGINS with ours alone would switch the others off.
+    assert os.environ["VLLM_PLUGINS"].split(",") == [*installed_vllm_plugins(), "lightning_vlm"]
+    assert os.environ["VLLM_SERVER_DEV_MODE"] == "1"
     with pytest.raises(SystemExit):  # reachable from other machines without a key
         parse_args(["MODEL", "--host", "0.0.0.0"])
     assert parse_args(["MODEL", "--host", "0.0.0.0", "--api-key", "k"]).api_key == ["k"]

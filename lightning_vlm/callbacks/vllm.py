@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
 from typing import Any
 
@@ -133,19 +134,22 @@ class VLLMGeneration(L.Callback):
         from lightning_vlm.serving.process import start_server
 
         if self.start_server:
-            url = None
+            started = None
             if trainer.is_global_zero:
                 # Loopback: the other ranks of this machine reach it; several machines need a server
-                # started by hand on an address they all reach (server_url).
+                # started by hand on an address they all reach (server_url). A fresh key: on a shared
+                # machine other users must not reach its weight and dev routes.
+                self.server["api_key"] = self.server["api_key"] or secrets.token_urlsafe(24)
                 self._server_process, url = start_server(vlm.model_name_or_path, args=self._server_cli_args())
-            self.server["url"] = trainer.strategy.broadcast(url)
-        client = VLLMServerClient(**self.server)
+                started = (url, self.server["api_key"])
+            self.server["url"], self.server["api_key"] = trainer.strategy.broadcast(started)
         try:
+            client = VLLMServerClient(**self.server)
             client.wait_until_ready(self.wait_for_server)
+            return VLLMServerGenerator(vlm, client, transfer=self.weight_transfer, sync_dir=self.sync_dir)
         except Exception:
             self._stop_owned_server()
             raise
-        return VLLMServerGenerator(vlm, client, transfer=self.weight_transfer, sync_dir=self.sync_dir)
 
     @staticmethod
     def _shield(pl_module: L.LightningModule) -> None:
@@ -168,6 +172,8 @@ class VLLMGeneration(L.Callback):
             args += ["--limit-mm-per-prompt", json.dumps(dict(o["limit_mm_per_prompt"]))]
         if o["enable_sleep_mode"]:
             args.append("--enable-sleep-mode")
+        if self.start_server and self.server["api_key"]:
+            args += ["--api-key", self.server["api_key"]]
         return args + self.server_args
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -181,6 +187,7 @@ class VLLMGeneration(L.Callback):
     def _close(self, pl_module: L.LightningModule) -> None:
         generator, self.generator = self.generator, None
         if generator is None:
+            self._stop_owned_server()
             return
         if getattr(pl_module, "generator", None) is generator:
             pl_module.generator = self._previous

@@ -18,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import requests
+
 from lightning_vlm.generation.base import Rollouts, SamplingSettings
 from lightning_vlm.generation.vllm_sampling import build_rollouts, request_seeds, sampling_kwargs
 from lightning_vlm.generation.vllm_server_client import VLLMServerClient, VLLMServerError
@@ -25,6 +27,7 @@ from lightning_vlm.generation.weight_sync import policy_weights, weights_to_byte
 
 log = logging.getLogger(__name__)
 TRANSFERS = ("folder", "body")
+MAX_SAMPLING_ATTEMPTS = 3  # generations of one batch redone after a reconnect, before giving up
 
 
 def image_url(image: Any) -> str:
@@ -52,6 +55,9 @@ def openai_messages(messages: list[dict], images: list[Any]) -> list[dict]:
 def chat_body(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``sampling_kwargs`` (vLLM ``SamplingParams`` names) as chat-completion fields."""
     body = {k: v for k, v in kwargs.items() if k not in ("logprobs", "logit_bias") and v is not None}
+    # Explicit zeros: a field left out is filled from the checkpoint's generation_config by vLLM's
+    # server, and neither HF generate nor the colocated engine applies these penalties.
+    body.update(presence_penalty=0.0, frequency_penalty=0.0)
     if kwargs.get("logit_bias"):
         body["logit_bias"] = {str(k): v for k, v in kwargs["logit_bias"].items()}
     # The chosen token's log-prob (no alternatives) and the ids, not only the text.
@@ -89,11 +95,16 @@ class VLLMServerGenerator:
         self._tmp = None if sync_dir else tempfile.TemporaryDirectory(prefix="lightning-vlm-sync-")
         self.sync_dir = Path(sync_dir or self._tmp.name)
         self.pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="vllm-server")
+        # As many pooled connections as threads (requests keeps 10 by default).
+        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=max_concurrency)
+        client.session.mount("http://", adapter)
+        client.session.mount("https://", adapter)
         self.seed: int | None = None
         self.version: str | None = None  # the label of the policy's last push; None before the first
         self._pushes = 0
-        self._folders = 0
+        self._folders: list[Path] = []  # this generator's pushes (only these are ever deleted)
         self._sharded = False
+        self.pusher = True  # False on the ranks that wait for rank 0's pushes (DDP)
         self.resyncs = 0
 
     def set_seed(self, seed: int | None) -> None:
@@ -112,12 +123,15 @@ class VLLMServerGenerator:
              **({"seed": s} if s is not None else {})}
             for r, s in zip(rows, seeds, strict=True)
         ]  # fmt: skip
-        while True:
+        for attempt in range(1, MAX_SAMPLING_ATTEMPTS + 1):
             version = self.ensure_weights()
             reconnects = self.client.reconnects
             answers = list(self.pool.map(self.client.chat, bodies))
             if self.client.reconnects == reconnects:
                 break
+            if attempt == MAX_SAMPLING_ATTEMPTS:  # a server that keeps crashing on these requests
+                raise VLLMServerError(f"vLLM server at {self.client.url} restarted during each of {attempt} "
+                                      "generations of this batch")  # fmt: skip
             # The connection dropped and came back: the answers may come from a restarted server.
             log.warning("vLLM server reconnected during generation: checking its weights, sampling again")
         ids, logprobs = [], []
@@ -137,6 +151,8 @@ class VLLMServerGenerator:
         server = self.client.weight_version()
         if self.version is None or server is None or server == self.version:
             return server
+        if not self.pusher:
+            return self._wait_for_push(server)
         if self._sharded:
             raise VLLMServerError(
                 f"vLLM server at {self.client.url} holds weights {server!r}, not {self.version!r} (restarted?); "
@@ -163,9 +179,23 @@ class VLLMServerGenerator:
         return time.perf_counter() - start
 
     def expect_version(self, version: str, sharded: bool = False) -> None:
-        """Another process pushed the policy as ``version`` (DDP: rank 0 pushes for all)."""
+        """Another process pushed the policy as ``version`` (DDP: rank 0 pushes for all, and re-pushes
+        to a restarted server; this one then waits for it)."""
         self.version = version
         self._sharded = sharded
+        self.pusher = False
+
+    def _wait_for_push(self, server: str | None) -> str | None:
+        deadline = time.monotonic() + self.client.reconnect_timeout + self.client.timeout
+        log.warning("vLLM server at %s holds weights %r, not %r (restarted?): waiting for rank 0 to push them",
+                    self.client.url, server, self.version)  # fmt: skip
+        while server != self.version:
+            if time.monotonic() > deadline:
+                raise VLLMServerError(f"vLLM server at {self.client.url} still holds weights {server!r}, not "
+                                      f"{self.version!r}: the process that pushes them did not")  # fmt: skip
+            time.sleep(1.0)
+            server = self.client.weight_version()
+        return server
 
     def _push(self, chunks: Iterable[dict[str, Any]] | None, version: str) -> None:
         if self.transfer == "body":
@@ -174,10 +204,10 @@ class VLLMServerGenerator:
             )
             self.version = version
             return
-        # A fresh folder per push: the server reads every *.safetensors of it, none from the last push.
-        previous = sorted(self.sync_dir.glob("v*"))
-        self._folders += 1
-        folder = self.sync_dir / f"v{self._folders:06d}"
+        # A fresh, uniquely named folder per push (several runs or ranks may share sync_dir): the
+        # server reads every *.safetensors of it, none from another push.
+        self.sync_dir.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(dir=self.sync_dir, prefix="push-"))
         parts = (
             [policy_weights(self.vlm)] if chunks is None else (policy_weights(self.vlm, [c]) for c in chunks)
         )
@@ -186,10 +216,15 @@ class VLLMServerGenerator:
         if self.plugin:
             self.client.reload_weights(path=str(folder), version=version)
         else:
+            # Four requests: a restart between them would leave the label on the checkpoint's weights.
+            reconnects = self.client.reconnects
             self.client.reload_weights_dev_mode(str(folder), version)
+            if self.client.reconnects != reconnects:
+                self.client.reload_weights_dev_mode(str(folder), version)
         self.version = version
-        for old in previous:
+        for old in self._folders:
             shutil.rmtree(old, ignore_errors=True)
+        self._folders = [folder]
 
     def sleep(self) -> None:
         """No-op: a server on its own device needs no room for the trainer's backward."""
@@ -198,8 +233,10 @@ class VLLMServerGenerator:
         """No-op (see ``sleep``)."""
 
     def close(self) -> None:
-        """Close the client; the server is not ours to stop."""
+        """Close the client and remove this generator's pushes; the server is not ours to stop."""
         self.pool.shutdown(wait=False)
         self.client.close()
+        for old in self._folders:
+            shutil.rmtree(old, ignore_errors=True)
         if self._tmp is not None:
             self._tmp.cleanup()

@@ -122,18 +122,14 @@ class VLLMServerClient:
         )
 
     def health(self) -> bool:
-        """Whether the server answers ``/health`` with 200 right now (no retries).
-
-        vLLM binds its port before it loads the model, so during a (re)start other requests wait
-        (up to ``timeout``) rather than fail; this probe gives up after ``connect_timeout``.
-        """
+        """Whether the server answers ``/health`` with 200 right now (no retries, ``connect_timeout``)."""
         try:
             return self.session.get(f"{self.url}/health", timeout=self.connect_timeout).status_code == 200
         except requests.RequestException:
             return False
 
     def wait_until_ready(self, timeout: float = 180.0, poll: float = 1.0) -> None:
-        """Poll ``/health`` until the engine is up (it loads the model before binding); bounded by ``timeout``."""
+        """Poll ``/health`` until the engine is up (connections are refused while it loads); bounded by ``timeout``."""
         deadline = time.monotonic() + timeout
         while not self.health():
             if time.monotonic() > deadline:

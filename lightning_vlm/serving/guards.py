@@ -20,11 +20,19 @@ OPEN_PATHS = frozenset({"/health", "/ping", "/version"})
 WEIGHTS_PATH = "/lightning_vlm/reload_weights"
 
 
-async def _send_json(send: Callable, status: int, payload: dict) -> None:
+async def _send_json(scope: Scope, send: Callable, status: int, payload: dict) -> None:
+    if scope["type"] == "websocket":  # refused before the handshake: close it with a policy code
+        await send({"type": "websocket.close", "code": 1008, "reason": payload.get("error", "")[:120]})
+        return
     body = json.dumps(payload).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def is_octet_stream(content_type: str | None) -> bool:
+    """Whether a Content-Type names a raw body (the weight upload), however it is spelt."""
+    return (content_type or "").split(";")[0].strip().lower() == "application/octet-stream"
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -54,14 +62,14 @@ class KeyOnEveryRoute:
             path = scope["path"].removeprefix(scope.get("root_path", ""))
             if path not in OPEN_PATHS and not self._authorised(scope):
                 return await _send_json(
-                    send, 401, {"error": f"{path} needs 'Authorization: Bearer <api key>'"}
+                    scope, send, 401, {"error": f"{path} needs 'Authorization: Bearer <api key>'"}
                 )
         await self.app(scope, receive, send)
 
 
 class BodyLimit:
-    """Answers 413 before reading a body larger than its route allows (411 for a JSON body of
-    unknown length); the weight upload, streamed to disk, has its own larger limit."""
+    """Answers 413 before reading a body larger than its route allows (411 for a chunked body of
+    unknown length); the raw weight upload, streamed to disk, has its own larger limit."""
 
     def __init__(self, app: App, max_bytes: int, max_weights_bytes: int) -> None:
         self.app = app
@@ -71,12 +79,22 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
-        weights = scope["path"].removeprefix(scope.get("root_path", "")) == WEIGHTS_PATH
-        limit = self.max_weights_bytes if weights else self.max_bytes
+        upload = scope["path"].removeprefix(scope.get("root_path", "")) == WEIGHTS_PATH and is_octet_stream(
+            _header(scope, b"content-type")
+        )
+        # The upload streams to disk (and counts what it reads); everything else is read whole.
+        limit, flag = (
+            (self.max_weights_bytes, "--max-weights-gb") if upload else (self.max_bytes, "--max-request-mb")
+        )
         length = _header(scope, b"content-length")
-        if length is None and not weights:
-            return await _send_json(send, 411, {"error": "request bodies need a Content-Length"})
-        if length is not None and int(length) > limit:
-            flag = "--max-weights-gb" if weights else "--max-request-mb"
-            return await _send_json(send, 413, {"error": f"body of {length} B exceeds {limit} B ({flag})"})
+        if length is None:
+            if _header(scope, b"transfer-encoding") and not upload:
+                return await _send_json(scope, send, 411, {"error": "request bodies need a Content-Length"})
+            return await self.app(scope, receive, send)  # no body, or the counted upload
+        if not length.strip().isdigit():
+            return await _send_json(scope, send, 400, {"error": f"bad Content-Length {length!r}"})
+        if int(length) > limit:
+            return await _send_json(
+                scope, send, 413, {"error": f"body of {length} B exceeds {limit} B ({flag})"}
+            )
         await self.app(scope, receive, send)

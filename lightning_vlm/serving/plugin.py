@@ -27,7 +27,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from lightning_vlm.serving.guards import WEIGHTS_PATH, BodyLimit, KeyOnEveryRoute
+from lightning_vlm.serving.guards import WEIGHTS_PATH, BodyLimit, KeyOnEveryRoute, is_octet_stream
 from lightning_vlm.serving.weights_check import UpdateRefused, check_update, read_shapes, reference_shapes
 
 log = logging.getLogger("lightning_vlm.serving")
@@ -88,8 +88,8 @@ class WeightUpdates:
                     f"checkpoint's own weights again (weight_version {BASE_VERSION!r}): push again"
                 ) from exc
             finally:
-                if self.wedged is None:
-                    await self.engine.resume_generation()
+                # Resumed even when wedged: requests then fail at once instead of hanging paused.
+                await self.engine.resume_generation()
         seconds = time.perf_counter() - start
         log.info("weights %s loaded from %s in %.2f s (%d tensors)", version, folder, seconds, len(update))
         return {"weight_version": version, "seconds": seconds, "tensors": len(update)}
@@ -111,15 +111,25 @@ class WeightUpdates:
             log.error("engine unusable: %s", self.wedged)
 
     async def save_upload(self, request: Any, limit: int) -> Path:
-        """Stream a request body to a fresh scratch folder as one safetensors file."""
+        """Stream a request body to a fresh scratch folder as one safetensors file (removed on failure)."""
+        from starlette.requests import ClientDisconnect
+
         folder = Path(tempfile.mkdtemp(dir=self.scratch.name))
         size = 0
-        with open(folder / "model.safetensors", "wb") as f:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise UpdateRefused(f"weights body exceeds {limit} B (--max-weights-gb)")
-                f.write(chunk)
+        try:
+            with open(folder / "model.safetensors", "wb") as f:
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise UpdateRefused(f"weights body exceeds {limit} B (--max-weights-gb)")
+                    # Off the event loop: a multi-GB write must not stall every other request.
+                    await asyncio.to_thread(f.write, chunk)
+        except ClientDisconnect as exc:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise UpdateRefused(f"the client disconnected after {size} B of the weights body") from exc
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
         return folder
 
 
@@ -168,7 +178,7 @@ class LightningVLMPlugin:
             guard = updates(request)
             upload = None
             try:
-                if request.headers.get("content-type", "").startswith("application/octet-stream"):
+                if is_octet_stream(request.headers.get("content-type")):
                     folder = upload = await guard.save_upload(request, max_weights)
                     version = request.query_params.get("weight_version")
                 else:

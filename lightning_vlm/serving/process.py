@@ -22,12 +22,27 @@ def start_server(
     """Start the server in a subprocess; returns (process, url). Not waited for (poll ``/health``)."""
     port = port or free_port(host)
     cmd = [sys.executable, "-m", "lightning_vlm.serve", str(model), "--host", host, "--port", str(port)]
-    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (lives with the process)
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (closed below)
     full_env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), **(env or {})}
-    # Its own session: stopping it reaches vLLM's engine-core child too.
+    # Its own session: stopping it reaches vLLM's engine-core child too. Its own session also means
+    # no SIGHUP when the trainer dies: the kernel sends SIGTERM instead (a killed trainer frees the GPU).
     proc = subprocess.Popen([*cmd, *(args or [])], stdout=out, stderr=subprocess.STDOUT, env=full_env,
-                            start_new_session=True)  # fmt: skip
+                            start_new_session=True, preexec_fn=_terminate_with_parent)  # fmt: skip
+    if log_path:
+        out.close()  # the child holds its own descriptor
     return proc, f"http://{host}:{port}"
+
+
+def _terminate_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux ``PR_SET_PDEATHSIG``; strictly,
+    when the thread that started it exits: start servers from a thread that lives as long as they)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the server outlives a killed trainer, as any process would
+        pass
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> int:
@@ -37,7 +52,7 @@ def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> int:
     if proc.poll() is None:
         _signal_group(proc, signal.SIGTERM)
         try:
-            return proc.wait(timeout)
+            proc.wait(timeout)
         except subprocess.TimeoutExpired:
             _signal_group(proc, signal.SIGKILL)
     code = proc.wait(timeout)
