@@ -36,3 +36,12 @@ def sft_warm_start():
     from lightning_vlm.models.warm_start import tiny_sft_path
 
     return lambda family="qwen2_5_vl": str(tiny_sft_path(family))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """The shuffled order's seed, also under ``-q`` (which hides pytest-randomly's header line)."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if isinstance(seed, int):
+        terminalreporter.write_line(
+            f"test order: pytest-randomly seed {seed}; --randomly-seed={seed} replays it"
+        )
