@@ -97,13 +97,15 @@ def main() -> None:
             "tiny_qwen2_5_vl": tiny_vlm_path("qwen2_5_vl"),
             "larger_qwen2_5_vl": larger_model(Path(tmp)),
         }
+        from lightning_vlm.generation.engine_options import EngineOptions
         from lightning_vlm.generation.vllm_colocate import VLLMColocateGenerator
 
         results: dict = {}
         for name, path in models.items():
             vlm = VLM(str(path))
             start = time.perf_counter()
-            engine = VLLMColocateGenerator(vlm, max_num_seqs=args.prompts * args.generations)
+            options = EngineOptions(extra={"max_num_seqs": args.prompts * args.generations})
+            engine = VLLMColocateGenerator(vlm, engine=options)
             r = {"parameters": sum(p.numel() for p in vlm.model.parameters()),
                  "vllm_engine_start_s": time.perf_counter() - start, "vllm_sync_s": engine.sync_weights()}  # fmt: skip
             samplers = {"hf": HFGenerator(vlm), "vllm": engine}

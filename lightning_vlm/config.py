@@ -1,7 +1,14 @@
-"""Hydra/OmegaConf glue: the resolvers our configs use, registered once on import."""
+"""Hydra/OmegaConf glue: the resolvers and the dataclass-built config nodes our configs use, registered
+once on import.
+
+Config nodes built from dataclasses (Hydra's ConfigStore, group ``schema``) keep a default in one
+place: the YAML that includes one (``- /schema/sampling@method.sampling``) gets every field, typed and
+overridable from the command line, without repeating them.
+"""
 
 from __future__ import annotations
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 
@@ -28,4 +35,15 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("tiny_vlm", _tiny_vlm, use_cache=True)
 
 
+def register_schemas() -> None:
+    """Stores ``schema/sampling`` (``SamplingOptions``) and ``schema/vllm_engine`` (``EngineOptions``)."""
+    from lightning_vlm.generation.base import SamplingOptions
+    from lightning_vlm.generation.engine_options import EngineOptions
+
+    store = ConfigStore.instance()
+    store.store(group="schema", name="sampling", node=SamplingOptions)
+    store.store(group="schema", name="vllm_engine", node=EngineOptions)
+
+
 register_resolvers()
+register_schemas()

@@ -91,7 +91,26 @@ def _sampled(vlm, generator) -> dict:
         for t, lp in enumerate(lps)
     ]
     out["sampled_logprob_max_diff"] = max(diffs)
+    out["seeded"] = _seeded_draws(generator, rows)
     return out
+
+
+def _seeded_draws(generator, rows: list[dict]) -> dict:
+    """Completions under step seeds 7, 7 (after an unseeded draw moved the engine's own RNG) and 8."""
+    from lightning_vlm.generation.base import SamplingSettings
+
+    hot = SamplingSettings(max_new_tokens=8, temperature=2.0)
+
+    def draw(seed):
+        generator.set_seed(seed)
+        try:
+            return generator.generate(rows, 3, hot).completion_ids
+        finally:
+            generator.set_seed(None)
+
+    first = draw(7)
+    draw(None)
+    return {"first": first, "again": draw(7), "other": draw(8)}
 
 
 def colocate(paths: dict) -> dict:
@@ -150,12 +169,13 @@ def adapter_sync(paths: dict) -> dict:
 
 def transformers_impl(paths: dict) -> dict:
     """model_impl=transformers. Run last: vLLM patches the transformers class process-wide."""
+    from lightning_vlm.generation.engine_options import EngineOptions
     from lightning_vlm.generation.vllm_colocate import VLLMColocateGenerator
     from lightning_vlm.models.vlm import VLM
 
     start = time.perf_counter()
     vlm = VLM(paths["qwen2_5_vl"])
-    gen = VLLMColocateGenerator(vlm, model_impl="transformers")
+    gen = VLLMColocateGenerator(vlm, engine=EngineOptions(model_impl="transformers"))
     report = {"engine_seconds": time.perf_counter() - start, **_compare(vlm, gen)}
     # The trainer's HF model (built before the engine patched its class) still trains, and syncs.
     _train_step(vlm)

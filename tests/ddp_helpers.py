@@ -20,7 +20,7 @@ import lightning as L
 import torch
 
 from helpers import ROOT
-from lightning_vlm.generation.base import Rollouts, SamplingSettings
+from lightning_vlm.generation.base import OwnWeightsGenerator, Rollouts, SamplingSettings
 
 
 def row_digest(row: dict) -> str:
@@ -44,7 +44,7 @@ def full_weights(trainer: L.Trainer):
     )
 
 
-class KeyedGenerator:
+class KeyedGenerator(OwnWeightsGenerator):
     """Completions that depend only on the prompt row: 1-``max_new_tokens`` ordinary tokens, most ending
     at the end-of-turn token."""
 
@@ -70,9 +70,6 @@ class KeyedGenerator:
                 truncated.append(cut)
         texts = self.vlm.tokenizer.batch_decode(ids, skip_special_tokens=True)
         return Rollouts(list(rows), ids, texts, truncated, num_generations)
-
-    def sync_weights(self) -> float:
-        return 0.0
 
 
 class KeyedRollouts(L.Callback):

@@ -10,12 +10,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_vlm.data.datamodule import collate_rows
-from lightning_vlm.generation.base import Rollouts, SamplingSettings
+from lightning_vlm.generation.base import OwnWeightsGenerator, Rollouts, SamplingSettings
 from lightning_vlm.generation.hf import HFGenerator
 
 
-class FixedGenerator:
-    """Returns the same rollouts every call (so two runs see identical samples)."""
+class FixedGenerator(OwnWeightsGenerator):
+    """Returns the same rollouts every call (so two runs see identical samples); seeds change nothing."""
 
     def __init__(self, rollouts: Rollouts, is_policy: bool = True) -> None:
         self.rollouts = rollouts

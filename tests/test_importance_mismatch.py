@@ -18,6 +18,7 @@ from hand_helpers import assert_same_update, completion_logps, group_advantages_
 from online_helpers import fit_steps, sgd, token_reward_fn
 
 from lightning_vlm.data.synthetic import synthetic_rows
+from lightning_vlm.generation.base import OwnWeightsGenerator
 from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.methods.grpo import GRPO
 from lightning_vlm.models.vlm import VLM
@@ -26,8 +27,9 @@ CAP = 1.2
 G = 4
 
 
-class DriftedSampler:
-    """HF generate on a drifted copy of the policy: not the policy, so its log-probs drive the correction."""
+class DriftedSampler(OwnWeightsGenerator):
+    """HF generate on a drifted copy of the policy: not the policy, so its log-probs drive the correction
+    (unseeded itself: the loop's seeded torch RNG drives its draws)."""
 
     is_policy = False
 

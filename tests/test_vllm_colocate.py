@@ -83,6 +83,15 @@ def test_sampled_logprobs_match_the_trainers_renormalised_logprobs(report):
     assert _section(report, "colocate", "qwen2_5_vl")["sampled_logprob_max_diff"] < 1e-3
 
 
+def test_sampling_is_seeded_per_step(report):
+    # The loop seeds each step (seed, global_step, rank); vLLM gets one seed per request from it.
+    seeded = _section(report, "colocate", "qwen2_5_vl")["seeded"]
+    assert seeded["again"] == seeded["first"], "the same step seed redraws the same completions (resume)"
+    assert seeded["other"] != seeded["first"], "another step seed draws other completions"
+    # Within one step the prompts' (and completions') streams differ.
+    assert len({tuple(ids) for ids in seeded["first"]}) > 1
+
+
 def test_full_finetune_step_then_sync_changes_output_and_matches_hf(report):
     r = _section(report, "colocate", "qwen2_5_vl")
     assert r["after"]["hf"] != r["before"]["hf"], "the optimizer step must change greedy output"

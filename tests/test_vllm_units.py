@@ -32,6 +32,32 @@ def test_sampling_kwargs_match_hf_behaviour():
         sampling_kwargs(SamplingSettings(), 0, 9, [])
 
 
+def test_request_seeds_follow_the_step_seed_and_the_row():
+    from lightning_vlm.generation.vllm_sampling import request_seeds
+
+    # Same step seed (a resumed step): the same per-request seeds; another step: other seeds.
+    assert request_seeds(5, 3, 4) == request_seeds(5, 3, 4)
+    assert set(request_seeds(5, 3, 4)).isdisjoint(request_seeds(6, 3, 4))
+    # vLLM seeds a request's n completions s..s+n-1: the rows' streams never overlap.
+    seeds = request_seeds(5, 3, 4)
+    assert [b - a for a, b in zip(seeds, seeds[1:], strict=False)] == [4, 4]
+    assert request_seeds(None, 2, 4) == [None, None]
+
+
+def test_every_generator_has_the_whole_generator_protocol():
+    from lightning_vlm.generation.base import Generator, OwnWeightsGenerator
+    from lightning_vlm.generation.hf import HFGenerator
+    from lightning_vlm.generation.vllm_colocate import VLLMColocateGenerator
+    from lightning_vlm.generation.vllm_server import VLLMServerGenerator
+
+    # What the loop and the callback call; the engines are not built here, so their classes are read.
+    members = ("is_policy", "generate", "set_seed", "sync_weights", "sleep", "wake_up", "close")
+    for cls in (HFGenerator, VLLMColocateGenerator, VLLMServerGenerator):
+        assert [m for m in members if not hasattr(cls, m)] == [], cls
+    assert isinstance(OwnWeightsGenerator(), Generator) is False  # no generate: not a Generator alone
+    assert HFGenerator.is_policy and not VLLMColocateGenerator.is_policy and not VLLMServerGenerator.is_policy
+
+
 def test_build_rollouts_cuts_at_end_of_turn_and_flags_off_policy():
     rows = [{"prompt": []}, {"prompt": []}]
     ids = [[5, 9, 7], [5, 6, 7], [9], [4, 4]]
@@ -89,9 +115,10 @@ def test_write_and_read_weights_with_tied_tensors(tmp_path):
     ("kwargs", "message"),
     [
         ({"mode": "remote"}, "mode must be one of"),
-        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
-        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
-        ({"model_impl": "jax"}, "model_impl must be one of"),
+        ({"engine": {"gpu_memory_utilization": 1.5}}, "gpu_memory_utilization"),
+        ({"engine": {"tensor_parallel_size": 0}}, "tensor_parallel_size"),
+        ({"engine": {"model_impl": "jax"}}, "model_impl must be one of"),
+        ({"engine": {"logprobs_mode": "final"}}, "logprobs_mode must be one of"),
         ({"weight_transfer": "nfs"}, "weight_transfer must be one of"),
     ],
 )

@@ -14,14 +14,18 @@ step). Server: one server for all ranks; every rank sends its own prompts, rank 
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
 
+from lightning_vlm.generation.base import Generator
+from lightning_vlm.generation.engine_options import EngineOptions
+from lightning_vlm.generation.vllm_server import TRANSFERS, VLLMServerGenerator
+from lightning_vlm.methods.online import OnlineRL
 from lightning_vlm.parallel.fsdp import sharded_root, unit_state_chunks
 
 log = logging.getLogger(__name__)
@@ -31,7 +35,7 @@ MODES = ("colocate", "server")
 class VLLMGeneration(L.Callback):
     """Builds (colocate) or connects to (server) a vLLM engine at setup and hands the module a generator.
 
-    Colocate options follow TRL's ``vllm_*`` names. Server: ``server_url`` of a running vLLM server
+    ``engine``: the engine's settings (``EngineOptions``; colocated, or the server it starts). Server: ``server_url`` of a running vLLM server
     (``python -m lightning_vlm.serve``, or ``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1``; not stopped by
     this callback), or ``start_server=True`` to spawn ``lightning_vlm.serve`` on a free loopback port
     that this callback owns and stops. ``api_key``: the server's ``--api-key`` (default $VLLM_API_KEY). ``weight_transfer``: "folder" (safetensors
@@ -41,17 +45,8 @@ class VLLMGeneration(L.Callback):
     def __init__(
         self,
         mode: str = "colocate",
-        gpu_memory_utilization: float = 0.3,
-        max_model_len: int = 1024,
-        tensor_parallel_size: int = 1,
-        enable_sleep_mode: bool = False,
-        dtype: str = "auto",
-        model_impl: str = "vllm",
-        limit_mm_per_prompt: dict[str, int] | None = None,
-        logprobs_mode: str = "processed_logprobs",
+        engine: EngineOptions | Mapping[str, Any] | None = None,
         weight_sync: str = "merged",
-        seed: int = 0,
-        engine_kwargs: dict[str, Any] | None = None,
         server_url: str = "http://127.0.0.1:8000",
         start_server: bool = False,
         server_args: list[str] | None = None,
@@ -66,10 +61,9 @@ class VLLMGeneration(L.Callback):
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        from lightning_vlm.generation.vllm_colocate import WEIGHT_SYNCS, check_engine_settings
-        from lightning_vlm.generation.vllm_server import TRANSFERS
+        from lightning_vlm.generation.vllm_colocate import WEIGHT_SYNCS
 
-        check_engine_settings(gpu_memory_utilization, max_model_len, tensor_parallel_size, model_impl)
+        self.engine = EngineOptions.build(engine)  # checks the engine settings, naming the bad one
         if weight_sync not in WEIGHT_SYNCS or (weight_sync == "adapter" and mode == "server"):
             raise ValueError(
                 f"weight_sync must be one of {WEIGHT_SYNCS} ('adapter': colocate only), got {weight_sync!r}"
@@ -77,12 +71,7 @@ class VLLMGeneration(L.Callback):
         if weight_transfer not in TRANSFERS:
             raise ValueError(f"weight_transfer must be one of {TRANSFERS}, got {weight_transfer!r}")
         self.mode = mode
-        self.engine_options = dict(
-            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-            tensor_parallel_size=tensor_parallel_size, enable_sleep_mode=enable_sleep_mode, dtype=dtype,
-            model_impl=model_impl, limit_mm_per_prompt=limit_mm_per_prompt, logprobs_mode=logprobs_mode,
-            weight_sync=weight_sync, seed=seed, **(engine_kwargs or {}),
-        )  # fmt: skip
+        self.weight_sync = weight_sync
         self.server = dict(url=server_url, timeout=server_timeout, connect_timeout=connect_timeout,
                            retries=retries, reconnect_timeout=reconnect_timeout, api_key=api_key)  # fmt: skip
         self.start_server = start_server
@@ -90,8 +79,8 @@ class VLLMGeneration(L.Callback):
         self.wait_for_server = wait_for_server
         self.weight_transfer = weight_transfer
         self.sync_dir = sync_dir
-        self.generator: Any = None
-        self._previous: Any = None
+        self.generator: Generator | None = None
+        self._previous: Generator | None = None
         self._server_process: Any = None
         self._synced_step: int | None = None
         self.sync_seconds: list[float] = []
@@ -100,36 +89,31 @@ class VLLMGeneration(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.generator is not None:
             return
-        if not hasattr(pl_module, "generator") or not hasattr(pl_module, "vlm"):
+        if not isinstance(pl_module, OnlineRL):
             raise TypeError(
                 f"VLLMGeneration needs a module with `vlm` and a replaceable `generator` (an online "
                 f"method); {type(pl_module).__name__} has not"
             )
-        if (
-            self.mode == "colocate"
-            and trainer.world_size > 1
-            and self.engine_options["tensor_parallel_size"] > 1
-        ):
+        if self.mode == "colocate" and trainer.world_size > 1 and self.engine.tensor_parallel_size > 1:
             raise NotImplementedError(
                 "tensor_parallel_size > 1 with several training processes is not supported: each rank runs its "
                 "own engine (tensor_parallel_size=1), or use generation=vllm_server with a tensor-parallel server"
             )
         start = time.perf_counter()
         self.generator = self._build(trainer, pl_module.vlm)
-        if self.mode == "colocate" and self.engine_options["model_impl"] == "transformers":
+        if self.mode == "colocate" and self.engine.model_impl == "transformers":
             self._shield(pl_module)
         self._previous, pl_module.generator = pl_module.generator, self.generator
         self._synced_step = None
         log.info("vLLM %s generator ready in %.1f s", self.mode, time.perf_counter() - start)
 
-    def _build(self, trainer: L.Trainer, vlm: Any) -> Any:
+    def _build(self, trainer: L.Trainer, vlm: Any) -> Generator:
         if self.mode == "colocate":
             from lightning_vlm.generation.vllm_colocate import VLLMColocateGenerator
 
             # One engine per rank; different seeds, so the ranks' unseeded draws are independent.
-            options = {**self.engine_options, "seed": self.engine_options["seed"] + trainer.global_rank}
-            return VLLMColocateGenerator(vlm, **options)
-        from lightning_vlm.generation.vllm_server import VLLMServerGenerator
+            engine = EngineOptions.build(self.engine, seed=self.engine.seed + trainer.global_rank)
+            return VLLMColocateGenerator(vlm, engine=engine, weight_sync=self.weight_sync)
         from lightning_vlm.generation.vllm_server_client import VLLMServerClient
         from lightning_vlm.serving.process import start_server
 
@@ -152,26 +136,17 @@ class VLLMGeneration(L.Callback):
             raise
 
     @staticmethod
-    def _shield(pl_module: L.LightningModule) -> None:
+    def _shield(pl_module: OnlineRL) -> None:
         # vLLM's transformers backend patched the decoder class process-wide: every HF instance built
         # before (policy, frozen reference copy) must be told to skip vLLM's compile wrapper.
         from lightning_vlm.generation.vllm_colocate import shield_from_vllm_compile
 
         shield_from_vllm_compile(pl_module)
-        reference = getattr(getattr(pl_module, "ref", None), "copy", None)
-        if reference is not None:
-            shield_from_vllm_compile(reference)
+        if pl_module.ref is not None and pl_module.ref.copy is not None:
+            shield_from_vllm_compile(pl_module.ref.copy)
 
     def _server_cli_args(self) -> list[str]:
-        o = self.engine_options
-        args = ["--max-model-len", str(o["max_model_len"]), "--dtype", o["dtype"],
-                "--gpu-memory-utilization", str(o["gpu_memory_utilization"]),
-                "--tensor-parallel-size", str(o["tensor_parallel_size"]), "--model-impl", o["model_impl"],
-                "--logprobs-mode", o["logprobs_mode"], "--seed", str(o["seed"])]  # fmt: skip
-        if o["limit_mm_per_prompt"]:
-            args += ["--limit-mm-per-prompt", json.dumps(dict(o["limit_mm_per_prompt"]))]
-        if o["enable_sleep_mode"]:
-            args.append("--enable-sleep-mode")
+        args = self.engine.server_args()
         if self.start_server and self.server["api_key"]:
             args += ["--api-key", self.server["api_key"]]
         return args + self.server_args
@@ -189,7 +164,7 @@ class VLLMGeneration(L.Callback):
         if generator is None:
             self._stop_owned_server()
             return
-        if getattr(pl_module, "generator", None) is generator:
+        if isinstance(pl_module, OnlineRL) and pl_module.generator is generator:
             pl_module.generator = self._previous
         self._previous = None
         try:
@@ -214,7 +189,7 @@ class VLLMGeneration(L.Callback):
         # Under FSDP the weights are gathered one unit at a time, by every rank (a collective).
         root = sharded_root(trainer.strategy.model)
         chunks = None if root is None else unit_state_chunks(root, pl_module.vlm.model)
-        if self.mode == "colocate":
+        if not isinstance(self.generator, VLLMServerGenerator):
             seconds = self.generator.sync_weights(chunks)
         else:
             # One push per optimizer step, by rank 0 (every rank holds the same weights after the

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from transformers import GenerationConfig
 
-from lightning_vlm.generation.base import Rollouts, SamplingSettings, cut_at_eos
+from lightning_vlm.generation.base import OwnWeightsGenerator, Rollouts, SamplingSettings, cut_at_eos
 from lightning_vlm.models.vlm import PRIVATE_KEYS, VLM
 
 
-class HFGenerator:
+class HFGenerator(OwnWeightsGenerator):
     """Generates with the policy's own HF model, in eval mode and without gradients.
+
+    ``is_policy`` (True): it samples the weights being trained, so no importance-sampling correction
+    and nothing to sync. After ``set_seed(s)`` every ``generate`` call draws from torch's RNG seeded
+    with ``s`` (in a fork of it: the caller's RNG state is untouched), like vLLM's per-request seeds.
 
     The family's image/video/vision special tokens are suppressed (a weak model samples them and the
     next training forward then fails); ``VLM.suppressed_token_ids`` is the same list, so training
@@ -46,6 +53,20 @@ class HFGenerator:
 
     def generate(self, rows: list[dict], num_generations: int, sampling: SamplingSettings) -> Rollouts:
         """``num_generations`` completions per row (consecutive), cut after the end-of-turn token."""
+        with self._seeded():
+            return self._generate_all(rows, num_generations, sampling)
+
+    @contextlib.contextmanager
+    def _seeded(self) -> Iterator[None]:
+        if self.seed is None:
+            yield
+            return
+        device = next(self.vlm.model.parameters()).device
+        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+            torch.manual_seed(self.seed)  # seeds the CUDA generators too
+            yield
+
+    def _generate_all(self, rows: list[dict], num_generations: int, sampling: SamplingSettings) -> Rollouts:
         step = self.max_batch_size or len(rows)
         ids: list[list[int]] = []
         logprobs: list[list[float]] = []

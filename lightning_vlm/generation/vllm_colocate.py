@@ -8,11 +8,12 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from lightning_vlm.generation.base import Rollouts, SamplingSettings
+from lightning_vlm.generation.engine_options import EngineOptions
 from lightning_vlm.generation.vllm_engine import (
     has_cuda,
     keep_training_process_group,
@@ -28,27 +29,9 @@ from lightning_vlm.generation.vllm_sampling import (
 from lightning_vlm.generation.weight_sync import reset_vllm_caches, save_adapter, sync_colocated
 
 log = logging.getLogger(__name__)
-MODEL_IMPLS = ("auto", "vllm", "transformers")
-# "processed": log-probs of the distribution actually sampled (suppression, temperature, top-k/p),
-# the same quantity HFGenerator returns, so the IS ratio compares like with like.
-LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 # "merged": full weights with LoRA merged in (any model); "adapter": only the LoRA adapter is pushed
 # and vLLM applies it (TRL #5975: far less to move for big models; needs every base weight frozen).
 WEIGHT_SYNCS = ("merged", "adapter")
-
-
-def check_engine_settings(
-    gpu_memory_utilization: float, max_model_len: int, tensor_parallel_size: int, model_impl: str
-) -> None:
-    """Refuse bad engine settings with an error naming the setting."""
-    if not 0.0 < gpu_memory_utilization <= 1.0:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    if max_model_len < 1:
-        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-    if tensor_parallel_size < 1:
-        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-    if model_impl not in MODEL_IMPLS:
-        raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
 
 
 def shield_from_vllm_compile(model: Any) -> int:
@@ -87,7 +70,7 @@ def adapter_engine_options(vlm: Any) -> dict[str, Any]:
 
 
 class VLLMColocateGenerator:
-    """A ``Generator`` backed by an in-process ``vllm.LLM`` holding a copy of the policy.
+    """A ``Generator`` backed by an in-process ``vllm.LLM`` (built from ``engine``) holding a copy of the policy.
 
     Behaves like ``HFGenerator`` (same suppressed vision tokens, stop at end-of-turn, G consecutive
     completions per row) but samples from vLLM's copy of the weights: ``is_policy`` is
@@ -100,54 +83,35 @@ class VLLMColocateGenerator:
         self,
         vlm: Any,
         model_path: str | None = None,
-        gpu_memory_utilization: float = 0.3,
-        max_model_len: int = 1024,
-        tensor_parallel_size: int = 1,
-        enable_sleep_mode: bool = False,
-        dtype: str = "auto",
-        model_impl: str = "vllm",
-        limit_mm_per_prompt: dict[str, int] | None = None,
-        logprobs_mode: str = "processed_logprobs",
+        engine: EngineOptions | Mapping[str, Any] | None = None,
         weight_sync: str = "merged",
-        seed: int = 0,
-        **engine_kwargs: Any,
     ) -> None:
-        check_engine_settings(gpu_memory_utilization, max_model_len, tensor_parallel_size, model_impl)
-        if logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+        engine = EngineOptions.build(engine)
         if weight_sync not in WEIGHT_SYNCS:
             raise ValueError(f"weight_sync must be one of {WEIGHT_SYNCS}, got {weight_sync!r}")
         self.vlm = vlm
         self.weight_sync = weight_sync
         if weight_sync == "adapter":
-            engine_kwargs = {**adapter_engine_options(vlm), **engine_kwargs}
+            engine = EngineOptions.build(engine, extra={**adapter_engine_options(vlm), **engine.extra})
+        self.engine = engine
         self._adapter: Any = None
         self._adapter_dir = tempfile.TemporaryDirectory(prefix="lightning-vlm-lora-")
         self.on_gpu = has_cuda()
-        self.sleep_enabled = bool(enable_sleep_mode and self.on_gpu)
-        if enable_sleep_mode and not self.on_gpu:
+        self.sleep_enabled = bool(engine.enable_sleep_mode and self.on_gpu)
+        if engine.enable_sleep_mode and not self.on_gpu:
             log.info("enable_sleep_mode: vLLM sleeps only on GPU; ignored on CPU")
         # Weights go in through an in-process iterator: keep the engine core in this process
         # (TRL's colocate mode does the same). With tensor parallelism the workers are separate
         # processes anyway and the weights travel as a list.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        self.in_process = tensor_parallel_size == 1
+        self.in_process = engine.tensor_parallel_size == 1
         self.llm = make_vllm_engine(
             model_path or vlm.model_name_or_path,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=tensor_parallel_size,
-            enable_sleep_mode=self.sleep_enabled,
-            model_impl=model_impl,
-            limit_mm_per_prompt=limit_mm_per_prompt,
-            seed=seed,
-            logprobs_mode=logprobs_mode,
-            **engine_kwargs,
+            EngineOptions.build(engine, enable_sleep_mode=self.sleep_enabled),
         )
         self.asleep = False
         self.seed: int | None = None
-        if model_impl == "transformers":
+        if engine.model_impl == "transformers":
             shield_from_vllm_compile(vlm.model)
 
     def set_seed(self, seed: int | None) -> None:

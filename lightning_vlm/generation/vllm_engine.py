@@ -6,9 +6,12 @@ vLLM is imported inside the functions so that ``import lightning_vlm`` works wit
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
+
+from lightning_vlm.generation.engine_options import EngineOptions
 
 if TYPE_CHECKING:
     import vllm
@@ -36,41 +39,38 @@ def has_cuda() -> bool:
 
 
 def make_vllm_engine(
-    model_path: str | os.PathLike,
-    *,
-    dtype: str = "auto",
-    max_model_len: int = 1024,
-    gpu_memory_utilization: float = 0.3,
-    tensor_parallel_size: int = 1,
-    enable_sleep_mode: bool = False,
-    model_impl: str = "vllm",
-    limit_mm_per_prompt: dict[str, int] | None = None,
-    seed: int = 0,
-    **engine_kwargs: Any,
+    model_path: str | os.PathLike, engine: EngineOptions | None = None, **overrides: Any
 ) -> vllm.LLM:
-    """An offline ``vllm.LLM`` for ``model_path``: GPU options as given, or CPU settings that work."""
-    if limit_mm_per_prompt is None:
-        limit_mm_per_prompt = dict(IMAGES_ONLY)
+    """An offline ``vllm.LLM`` for ``model_path`` built from ``engine`` (default ``EngineOptions()``):
+    GPU options as given, or CPU settings that work. ``overrides``: ``EngineOptions`` fields by name,
+    any other ``vllm.LLM`` keyword on top."""
+    fields = {f.name for f in dataclasses.fields(EngineOptions)}
+    engine = EngineOptions.build(engine, **{k: v for k, v in overrides.items() if k in fields})
+    dtype, max_model_len = engine.dtype, engine.max_model_len
     kwargs: dict[str, Any] = {
         "model": os.fspath(model_path),
         "max_model_len": max_model_len,
-        "limit_mm_per_prompt": limit_mm_per_prompt,
-        "model_impl": model_impl,
-        "seed": seed,
+        "limit_mm_per_prompt": dict(
+            IMAGES_ONLY if engine.limit_mm_per_prompt is None else engine.limit_mm_per_prompt
+        ),
+        "model_impl": engine.model_impl,
+        "logprobs_mode": engine.logprobs_mode,
+        "seed": engine.seed,
     }
     if has_cuda():
         kwargs.update(
             dtype=dtype,
-            gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=tensor_parallel_size,
-            enable_sleep_mode=enable_sleep_mode,
+            gpu_memory_utilization=engine.gpu_memory_utilization,
+            tensor_parallel_size=engine.tensor_parallel_size,
+            enable_sleep_mode=engine.enable_sleep_mode,
         )
     else:
         # Set before vLLM is imported: it reads them at import and engine start.
         for key, value in _COLOCATED_CPU_ENV.items():
             os.environ.setdefault(key, value)
         kwargs.update(**CPU_ENGINE, dtype=cpu_dtype(dtype), max_num_batched_tokens=max_model_len)
-    kwargs.update(engine_kwargs)
+    kwargs.update(engine.extra)
+    kwargs.update({k: v for k, v in overrides.items() if k not in fields})
 
     from vllm import LLM
 

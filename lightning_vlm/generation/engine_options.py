@@ -1,0 +1,78 @@
+"""The vLLM engine settings, defined once.
+
+The callback (``callbacks.vllm``), the colocated generator, the engine factory (``make_vllm_engine``)
+and the server it can start all take one ``EngineOptions``; the Hydra node
+``callbacks.vllm_generation.engine`` is built from this dataclass (``lightning_vlm.config``), so its
+keys and defaults are the fields below. Names follow TRL's ``vllm_*`` options where TRL has one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+MODEL_IMPLS = ("auto", "vllm", "transformers")
+# "processed": log-probs of the distribution actually sampled (suppression, temperature, top-k/p),
+# the same quantity HFGenerator returns, so the IS ratio compares like with like.
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+
+
+@dataclass
+class EngineOptions:
+    """How a vLLM engine is built. ``dtype="auto"``: the checkpoint's on GPU, float32 on CPU;
+    ``limit_mm_per_prompt`` None: ``vllm_engine.IMAGES_ONLY``; ``enable_sleep_mode``: GPU only
+    (free vLLM's memory during the backward pass); ``extra``: any other ``vllm.LLM`` keyword."""
+
+    gpu_memory_utilization: float = 0.3
+    max_model_len: int = 1024
+    tensor_parallel_size: int = 1
+    enable_sleep_mode: bool = False
+    dtype: str = "auto"
+    model_impl: str = "vllm"
+    limit_mm_per_prompt: dict[str, int] | None = None
+    logprobs_mode: str = "processed_logprobs"
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Refused here, with the setting's name, rather than deep inside vLLM's engine start.
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+
+    @classmethod
+    def build(
+        cls, options: EngineOptions | Mapping[str, Any] | None = None, **overrides: Any
+    ) -> EngineOptions:
+        """``options`` as ``EngineOptions`` (a Hydra node arrives as a mapping), with ``overrides`` applied."""
+        if options is None:
+            options = cls()
+        elif not isinstance(options, EngineOptions):
+            values = dict(options)
+            values["extra"] = dict(values.get("extra") or {})
+            if values.get("limit_mm_per_prompt") is not None:
+                values["limit_mm_per_prompt"] = dict(values["limit_mm_per_prompt"])
+            options = cls(**values)
+        return dataclasses.replace(options, **overrides) if overrides else options
+
+    def server_args(self) -> list[str]:
+        """The same settings as ``vllm serve`` options (for the server the callback starts)."""
+        args = ["--max-model-len", str(self.max_model_len), "--dtype", self.dtype,
+                "--gpu-memory-utilization", str(self.gpu_memory_utilization),
+                "--tensor-parallel-size", str(self.tensor_parallel_size), "--model-impl", self.model_impl,
+                "--logprobs-mode", self.logprobs_mode, "--seed", str(self.seed)]  # fmt: skip
+        if self.limit_mm_per_prompt:
+            args += ["--limit-mm-per-prompt", json.dumps(dict(self.limit_mm_per_prompt))]
+        if self.enable_sleep_mode:
+            args.append("--enable-sleep-mode")
+        return args  # ``extra`` stays in-process: a server takes its own options (``server_args``)
