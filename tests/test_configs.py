@@ -74,3 +74,46 @@ def test_callback_and_logger_options_instantiate(group, tmp_path, monkeypatch):
         nodes = cfg[group] or {}
         built = instantiate_group(nodes)
         assert len(built) == sum(1 for node in nodes.values() if "_target_" in node)
+
+
+ONLINE = {"grpo": "GRPO", "rloo": "RLOO", "online_dpo": "OnlineDPO"}
+
+
+@pytest.mark.parametrize("method", sorted(ONLINE))
+def test_online_yaml_values_are_the_signature_defaults(method, tmp_path):
+    """Each online setting's default has one value: the constructor's signature (the schema) and the
+    method's YAML agree on every plain value (interpolations follow conf/scale or the run's seed)."""
+    cfg = compose_train([f"method={method}"], tmp_path)
+    node = OmegaConf.to_container(cfg.method, resolve=False)
+    params = inspect.signature(get_class(node.pop("_target_"))).parameters
+    assert set(node) <= set(params), set(node) - set(params)
+    for key, value in node.items():
+        default = params[key].default
+        if key in ("optimizer", "sampling") or (isinstance(value, str) and value.startswith("${")):
+            continue
+        expected = list(default) if isinstance(default, tuple) else default
+        assert value == expected, f"method.{key}: YAML {value!r}, {ONLINE[method]} default {default!r}"
+
+
+def test_sampling_and_engine_nodes_are_their_dataclasses(tmp_path):
+    from dataclasses import asdict
+
+    from lightning_vlm.generation.base import SamplingOptions
+    from lightning_vlm.generation.engine_options import EngineOptions
+
+    cfg = compose_train(["method=grpo", "generation=vllm_colocate", "method.sampling.top_p=0.9"], tmp_path)
+    assert OmegaConf.to_container(cfg.method.sampling) == {**asdict(SamplingOptions()), "top_p": 0.9}
+    engine = OmegaConf.to_container(cfg.callbacks.vllm_generation.engine, resolve=True)
+    assert engine == {**asdict(EngineOptions()), "seed": cfg.seed}
+    callback = hydra.utils.instantiate(cfg.callbacks.vllm_generation)
+    assert callback.engine == EngineOptions(seed=cfg.seed)
+    # one optimizer node for every method, its rate from conf/scale
+    for method, rate in (("sft", "sft"), ("dpo", "dpo"), ("grpo", "online")):
+        opt = compose_train([f"method={method}"], tmp_path).method
+        assert opt.optimizer._target_ == "torch.optim.AdamW" and opt.scheduler is None
+        assert opt.optimizer.lr == cfg.scale.lr[rate]
+
+
+def test_gpu_trainer_takes_precision_from_the_scale(tmp_path):
+    assert compose_train(["trainer=gpu"], tmp_path).trainer.precision == "32-true"  # tiny model
+    assert compose_train(["trainer=gpu", "model=qwen2_5_vl"], tmp_path).trainer.precision == "bf16-mixed"

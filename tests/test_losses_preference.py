@@ -15,6 +15,7 @@ from lightning_vlm.losses.preference import (
     hinge_loss,
     ipo_loss,
     logratio_margin,
+    reward_accuracy,
     robust_loss,
     sft_nll_loss,
     sigmoid_loss,
@@ -277,3 +278,13 @@ def test_running_mean_feeds_bco_delta():
     total, _ = weighted_preference_loss(["bco_pair"], None, inp, beta=0.5, bco_delta=delta)
     expected = bco_pair_loss(t(1.0, -1.0), t(-0.5, 2.0), 0.5, 0.1875).mean()
     torch.testing.assert_close(total, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_reward_accuracy_counts_a_tie_half():
+    # Chosen above, below, tied (policy == reference), and a tie at a nonzero reward.
+    torch.testing.assert_close(reward_accuracy(t(0.3, -0.2, 0.0, 0.0)), t(1.0, 0.0, 0.5, 0.5))
+    # DPO's metric is this function: margins Δ = 2.5 (hit), -3 (miss), 0 (tie) -> (1 + 0 + 0.5) / 3.
+    inp = PreferenceInputs(t(-1.0, -2.0, -4.0), t(-3.0, -1.0, -4.0), t(-1.5, -2.0, -3.0), t(-1.0, -4.0, -3.0),
+                           t(2, 2, 2), t(2, 2, 2))  # fmt: skip
+    _, metrics = weighted_preference_loss(["sigmoid"], None, inp, beta=0.1)
+    assert metrics["rewards/accuracies"].item() == pytest.approx(0.5)

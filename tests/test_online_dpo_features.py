@@ -87,3 +87,5 @@ def test_online_dpo_step_follows_the_loss_penalty_and_skips_ties(setup, loss_typ
     # policy == reference at the first step: every margin is 0
     assert value == pytest.approx(25.0 if loss_type == "ipo" else 0.6931472, rel=1e-5)
     assert metrics["train/loss"] == pytest.approx(value, rel=1e-5)
+    # Ties of the implicit reward count half, as in DPO (losses.preference.reward_accuracy).
+    assert metrics["train/rewards/accuracies"] == pytest.approx(0.5)

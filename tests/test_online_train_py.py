@@ -7,6 +7,7 @@ from test_configs import _bind
 from test_train import _run
 
 from helpers import compose_train
+from lightning_vlm.generation.base import SamplingSettings
 
 
 @pytest.mark.parametrize("method", ["grpo", "gspo", "rloo", "online_dpo"])
@@ -17,7 +18,10 @@ def test_real_model_composes_with_one_gpu_settings(method, tmp_path):
     assert cfg.model.dtype == "float32" and cfg.trainer.precision == "bf16-mixed"
     # TRL's lr and completion length for pretrained models, micro-batches that bound activation memory
     assert cfg.method.optimizer.lr == 1e-6 and cfg.method.max_completion_length == 512
-    assert cfg.method.sampling.max_new_tokens == 512 and cfg.method.micro_batch_size == 8
+    assert cfg.method.micro_batch_size == 8
+    # the sampled length is max_completion_length itself, not a second setting
+    assert "max_new_tokens" not in cfg.method.sampling
+    assert SamplingSettings.of(cfg.method.sampling, cfg.method.max_completion_length).max_new_tokens == 512
     # manual optimisation: the method clips (max_grad_norm), the trainer must not
     assert cfg.trainer.gradient_clip_val is None and cfg.trainer.accumulate_grad_batches == 1
     assert cfg.data._target_.endswith("PromptDataModule")

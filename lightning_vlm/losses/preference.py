@@ -40,6 +40,16 @@ def logratio_margin(
     return (policy_chosen_logps - ref_chosen_logps) - (policy_rejected_logps - ref_rejected_logps)
 
 
+def reward_accuracy(margin: Tensor) -> Tensor:
+    """Per pair: 1 when the chosen answer's implicit reward is above the rejected one's (Δ > 0), 0 when
+    below, 0.5 for a tie; ``rewards/accuracies`` of DPO and Online DPO alike.
+
+    A tie (policy == reference, e.g. before the first step) is a coin flip, not a miss: an untrained
+    policy reads 0.5 rather than 0.
+    """
+    return (margin > 0).to(margin.dtype) + 0.5 * (margin == 0).to(margin.dtype)
+
+
 def sigmoid_loss(margin: Tensor, beta: float, label_smoothing: float = 0.0) -> Tensor:
     """DPO (Rafailov et al. 2023) with cDPO smoothing ε: -(1-ε)·logσ(βΔ) - ε·logσ(-βΔ).
 
@@ -188,9 +198,7 @@ def weighted_preference_loss(
     metrics: dict[str, Tensor] = {}
     total = torch.zeros((), dtype=margin.dtype, device=margin.device)
     for loss_type, weight in zip(loss_types, weights, strict=True):
-        per_example = _per_example_loss(
-            loss_type, inputs, margin, chosen_logratios, rejected_logratios, beta, label_smoothing, bco_delta
-        )
+        per_example = per_example_loss(loss_type, inputs, beta, label_smoothing, bco_delta)
         component = per_example.mean()
         total = total + weight * component
         metrics[f"loss/{loss_type}"] = component.detach()
@@ -201,23 +209,23 @@ def weighted_preference_loss(
         metrics["rewards/chosen"] = chosen_rewards.mean()
         metrics["rewards/rejected"] = rejected_rewards.mean()
         metrics["rewards/margins"] = (chosen_rewards - rejected_rewards).mean()
-        metrics["rewards/accuracies"] = (chosen_rewards > rejected_rewards).to(margin.dtype).mean()
+        metrics["rewards/accuracies"] = reward_accuracy(margin).mean()
         metrics["logps/chosen"] = inputs.policy_chosen_logps.mean()
         metrics["logps/rejected"] = inputs.policy_rejected_logps.mean()
     return total, metrics
 
 
-def _per_example_loss(
+def per_example_loss(
     loss_type: str,
     inputs: PreferenceInputs,
-    margin: Tensor,
-    chosen_logratios: Tensor,
-    rejected_logratios: Tensor,
     beta: float,
-    label_smoothing: float,
-    bco_delta: float | Tensor,
+    label_smoothing: float = 0.0,
+    bco_delta: float | Tensor = 0.0,
 ) -> Tensor:
-    """Dispatch one validated loss type to its pure function (the only string switch)."""
+    """The [B] loss of one loss type (the only string switch): DPO's terms and Online DPO's loss."""
+    chosen_logratios = inputs.policy_chosen_logps - inputs.ref_chosen_logps
+    rejected_logratios = inputs.policy_rejected_logps - inputs.ref_rejected_logps
+    margin = chosen_logratios - rejected_logratios
     if loss_type == "sigmoid":
         return sigmoid_loss(margin, beta, label_smoothing)
     if loss_type == "robust":

@@ -1,13 +1,17 @@
-"""Pieces every method shares: optimizer/scheduler wiring and turning conversations into prompts."""
+"""Pieces every method shares: optimizer/scheduler wiring, turning conversations into prompts, and the
+held-out answer accuracy by greedy generation."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning as L
 import torch
+
+from lightning_vlm.generation.base import Generator, Rollouts, SamplingSettings
+from lightning_vlm.rewards.accuracy import answers_match
 
 log = logging.getLogger(__name__)
 
@@ -82,3 +86,15 @@ def answer_accuracy_rows(rows: list[dict]) -> tuple[list[dict], list[str]]:
         prompts.append({**row, "prompt": messages[:last]})
         references.append(message_text(messages[last]))
     return prompts, references
+
+
+def greedy_answer_hits(
+    generator: Generator, rows: list[dict], references: Sequence[str | None], max_new_tokens: int
+) -> tuple[Rollouts, list[float]]:
+    """Greedy answers to ``rows`` (one each), and 1.0 or 0.0 (``answers_match``) for every row whose
+    reference is not None, in row order: ``val/answer_accuracy`` of every method (SFT, DPO, online)."""
+    greedy = SamplingSettings(max_new_tokens=max_new_tokens, temperature=0.0, do_sample=False)
+    rollouts = generator.generate(rows, 1, greedy)
+    texts = rollouts.completion_texts
+    hits = [float(answers_match(t, r)) for t, r in zip(texts, references, strict=True) if r is not None]
+    return rollouts, hits

@@ -17,10 +17,14 @@ import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
-from lightning_vlm.generation.base import SamplingSettings
 from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.losses.preference import PreferenceInputs, RunningMean, weighted_preference_loss
-from lightning_vlm.methods.common import clip_gradients, configure_optimizers, message_text
+from lightning_vlm.methods.common import (
+    clip_gradients,
+    configure_optimizers,
+    greedy_answer_hits,
+    message_text,
+)
 from lightning_vlm.methods.completions import CompletionRecorder, answer_samples
 from lightning_vlm.methods.preference_batch import encode_pairs, split_pairs
 from lightning_vlm.methods.reference_cache import ReferenceLogpCache, model_key, weights_fingerprint
@@ -28,7 +32,6 @@ from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
 from lightning_vlm.parallel.collectives import all_gather_object, gather_cat, mean_normalizer
-from lightning_vlm.rewards.accuracy import answers_match
 from lightning_vlm.settings_check import check_positive
 
 
@@ -178,10 +181,6 @@ class DPO(L.LightningModule):
             # is the mean over all ranks' pairs, also when ranks hold different numbers of them.
             pairs = torch.tensor(float(len(rows)), device=loss.device)
             loss = loss * pairs / mean_normalizer(pairs)
-        # A tie (policy == reference, e.g. before the first step) is a coin flip, not a miss: count it
-        # half, so an untrained policy reads 0.5 rather than 0.
-        margin = (chosen - ref_chosen) - (rejected - ref_rejected)
-        metrics["rewards/accuracies"] = ((margin > 0).float() + 0.5 * (margin == 0).float()).mean()
         metrics["loss"] = loss.detach()
         return loss, metrics
 
@@ -200,12 +199,8 @@ class DPO(L.LightningModule):
             metric = self.val_metrics[self._slot(name)]
             metric.update(value, weight=len(rows))
             self.log(f"val/{name}", metric, prog_bar=name == "rewards/accuracies", batch_size=len(rows))
-        greedy = SamplingSettings(max_new_tokens=self.val_new_tokens, temperature=0.0, do_sample=False)
-        rollouts = self.generator.generate(rows, num_generations=1, sampling=greedy)
         references = chosen_answers(rows)
-        hits = [
-            float(answers_match(t, r)) for t, r in zip(rollouts.completion_texts, references, strict=True)
-        ]
+        rollouts, hits = greedy_answer_hits(self.generator, rows, references, self.val_new_tokens)
         self.val_answer_accuracy.update(torch.tensor(hits, device=self.device))
         if self.completion_recorder.wants("val"):
             samples = answer_samples(rows, rollouts.completion_texts, references, hits)

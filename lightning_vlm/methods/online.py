@@ -15,15 +15,15 @@ batch B compute the update of one process with batch N·B.
 For a vLLM callback: ``self.generator`` may be replaced by any ``Generator``; generation happens at the
 start of ``training_step`` (after ``on_train_batch_start``), and the weights changed since the last
 generation iff ``trainer.global_step`` moved (``on_policy_update`` runs after every optimizer step).
-A generator that is not the policy itself (``is_policy = False``; non-HF generators by default) gets
-TRL's importance-sampling correction from its per-token ``Rollouts.logprobs``.
+A generator that is not the policy itself (``Generator.is_policy`` False: the vLLM ones) gets TRL's
+importance-sampling correction from its per-token ``Rollouts.logprobs``.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -31,18 +31,24 @@ import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
-from lightning_vlm.generation.base import Rollouts, SamplingSettings
+from lightning_vlm.generation.base import Generator, Rollouts, SamplingOptions, SamplingSettings, seeded
 from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.losses.importance import rollout_correction, split_trl_mode
-from lightning_vlm.methods.common import clip_gradients, configure_optimizers
+from lightning_vlm.methods.common import clip_gradients, configure_optimizers, greedy_answer_hits
 from lightning_vlm.methods.completions import CompletionRecorder, rollout_samples
 from lightning_vlm.methods.online_metrics import MissingRewardWarning, log_synced, rollout_metrics
-from lightning_vlm.methods.rollout_buffer import RolloutBatch, Step, global_counts, index_chunks
+from lightning_vlm.methods.rollout_buffer import (
+    RolloutBatch,
+    Step,
+    check_rollout_counts,
+    global_counts,
+    index_chunks,
+    reward_columns,
+)
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
 from lightning_vlm.parallel.collectives import Shard
 from lightning_vlm.parallel.steps import check_clipping, check_micro_batches, no_backward_sync, root_forward
-from lightning_vlm.rewards.accuracy import answers_match
 from lightning_vlm.rewards.scoring import RewardScorer
 
 
@@ -62,7 +68,7 @@ class OnlineRL(L.LightningModule):
         steps_per_generation: int = 1,
         micro_batch_size: int | None = None,
         max_completion_length: int = 16,
-        sampling: SamplingSettings | None = None,
+        sampling: SamplingOptions | Mapping[str, Any] | None = None,
         beta: float = 0.0,
         mask_truncated_completions: bool = False,
         max_grad_norm: float | None = 1.0,
@@ -80,20 +86,8 @@ class OnlineRL(L.LightningModule):
         self.automatic_optimization = False
         # Kept as attributes too: hparams drop what cannot be pickled (a lambda optimizer factory).
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
-        sampling = sampling or SamplingSettings(max_new_tokens=max_completion_length)
-        if sampling.max_new_tokens != max_completion_length:
-            raise ValueError(
-                f"sampling.max_new_tokens={sampling.max_new_tokens} differs from max_completion_length="
-                f"{max_completion_length}; set max_completion_length only"
-            )
-        for name, value in (("num_generations", num_generations), ("num_iterations", num_iterations),
-                            ("steps_per_generation", steps_per_generation)):  # fmt: skip
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if micro_batch_size is not None and micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1 or null, got {micro_batch_size}")
-        if beta < 0:
-            raise ValueError(f"beta must be >= 0, got {beta}")
+        sampling = SamplingSettings.of(sampling, max_completion_length)
+        check_rollout_counts(num_generations, num_iterations, steps_per_generation, micro_batch_size, beta)
         self.is_level, self.is_mode = split_trl_mode(vllm_importance_sampling_mode)
         self.vlm, self.sampling = vlm, sampling
         functions = list(reward_funcs) + ([reward_model] if reward_model is not None else [])
@@ -102,7 +96,7 @@ class OnlineRL(L.LightningModule):
                             reward_weights=self.scorer.weights.tolist())  # fmt: skip
         self.reward_model = reward_model
         # Replaceable by a callback (vLLM); HF generate samples from the training weights themselves.
-        self.generator: Any = HFGenerator(vlm)
+        self.generator: Generator = HFGenerator(vlm)
         self.ref: ReferenceModel | None = ReferenceModel(vlm) if self.needs_reference else None
         self.val_reward, self.val_answer_accuracy = MeanMetric(), MeanMetric()
         self.val_rewards = torch.nn.ModuleDict({n: MeanMetric() for n in self.scorer.names})
@@ -138,7 +132,7 @@ class OnlineRL(L.LightningModule):
         # 1. Sample G completions per prompt with the current weights; under data parallelism each rank
         #    samples all G of its own prompts (a group never spans ranks). The sampling RNG is seeded
         #    from (seed, global_step, rank), so a resumed run regenerates what the uninterrupted one drew.
-        with self._seeded(self.rollout_seed()):
+        with seeded(self.generator, self.rollout_seed(), self.device):
             rollouts = self.generator.generate(rows, hp.num_generations, self.sampling)
         # 2. Score them; None rewards stay NaN (out of group statistics, advantage 0).
         per_function, _ = self.score(rollouts)
@@ -238,40 +232,27 @@ class OnlineRL(L.LightningModule):
     def rollout_seed(self) -> int | None:
         """The sampling seed of this generation: (seed, global_step, rank); rank 0 of one process keeps
         the single-process value."""
-        if self.hparams.seed is None:
+        seed, trainer = self.hparams.seed, self.trainer
+        if seed is None:
             return None
-        return (self.hparams.seed * 1_000_003 + self.trainer.global_step) * self.trainer.world_size + (
-            self.trainer.global_rank
-        )
+        return (seed * 1_000_003 + trainer.global_step) * trainer.world_size + trainer.global_rank
 
     def on_policy_update(self) -> None:
         """Called after every optimizer step: the policy's weights changed (hook for weight syncing)."""
 
     def sampler_is_policy(self, rollouts: Rollouts) -> bool:
-        """Whether completions were sampled from the training weights themselves (no IS correction)."""
-        flag = rollouts.extras.get("is_policy", getattr(self.generator, "is_policy", None))
-        return isinstance(self.generator, HFGenerator) if flag is None else bool(flag)
+        """Sampled from the training weights themselves (no IS correction): as the rollouts or generator say."""
+        return bool(rollouts.extras.get("is_policy", self.generator.is_policy))
 
     def score(self, rollouts: Rollouts) -> tuple[torch.Tensor, list[str]]:
         """[N, F] rewards (NaN for None); each function gets the completions and every row column."""
-        rows = [rollouts.rows[i] for i in rollouts.prompt_index]
-        columns = {key: [row.get(key) for row in rows] for key in rows[0] if key not in ("prompt",)}
-        columns.update(prompts=[row["prompt"] for row in rows], completion_ids=rollouts.completion_ids)
-        return self.scorer(rollouts.completion_texts, columns)
+        return self.scorer(rollouts.completion_texts, reward_columns(rollouts))
 
-    @torch.no_grad()
     def frozen_logps(self, batch: RolloutBatch, reference: bool) -> torch.Tensor:
         """Per-token log-probs [N, T] of the completions under the current (or reference) weights."""
-        out = []
+        model = self.ref if reference else self.vlm
         size = self.hparams.micro_batch_size or len(batch)
-        for start in range(0, len(batch), size):
-            index = torch.arange(start, min(start + size, len(batch)), device=self.device)
-            inputs = batch.inputs(index, self.vlm.config)
-            model = self.ref if reference else self.vlm
-            mask = inputs["completion_mask"].bool()
-            logps, _ = model.token_logps(inputs, mask, self.sampling.temperature, mask_suppressed=True)
-            out.append(logps[:, batch.prompt_width :])
-        return torch.cat(out)
+        return batch.frozen_logps(model, self.vlm.config, size, self.sampling.temperature)
 
     # ---- metrics -------------------------------------------------------------------------------------------
     def log_rollouts(self, batch: RolloutBatch) -> None:
@@ -287,17 +268,13 @@ class OnlineRL(L.LightningModule):
         hp = self.hparams
         # Fixed seeds per batch, in a forked RNG: the same rollouts before and after training, and the
         # training RNG (hence resume) untouched by validation.
-        with self._seeded(hp.val_seed + batch_idx):
-            greedy = SamplingSettings(
-                max_new_tokens=self.sampling.max_new_tokens, temperature=0.0, do_sample=False
-            )
-            answers = self.generator.generate(rows, 1, greedy)
+        references = [None if r.get("solution") is None else str(r["solution"]) for r in rows]
+        with seeded(self.generator, hp.val_seed + batch_idx, self.device):
+            _, hits = greedy_answer_hits(self.generator, rows, references, self.sampling.max_new_tokens)
             sampled = self.generator.generate(rows, hp.val_num_generations, self.sampling)
         # Metrics are updated (possibly with nothing) and logged by every rank on every batch: their
         # sync at epoch end is a collective, which a rank that skipped it would leave hanging.
         if "solution" in rows[0]:  # a column of the data set, so the same on every rank
-            hits = [float(answers_match(t, str(r["solution"]))) for t, r in zip(answers.completion_texts, rows,
-                    strict=True) if r.get("solution") is not None]  # fmt: skip
             self.val_answer_accuracy.update(torch.tensor(hits, device=self.device))
             self.log("val/answer_accuracy", self.val_answer_accuracy, prog_bar=True, batch_size=len(rows))
         per_function, names = self.score(sampled)
@@ -317,25 +294,6 @@ class OnlineRL(L.LightningModule):
             self.ref.to(self.device)
         if self.reward_model is not None and hasattr(self.reward_model, "to"):
             self.reward_model.to(self.device)
-
-    @contextlib.contextmanager
-    def _seeded(self, seed: int | None):
-        """Run with the torch RNG (and the generator's own, e.g. vLLM's) seeded to ``seed``, then
-        restored; unchanged for ``None``."""
-        if seed is None:
-            yield
-            return
-        devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        seedable = hasattr(self.generator, "set_seed")
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            if seedable:
-                self.generator.set_seed(seed)
-            try:
-                yield
-            finally:
-                if seedable:
-                    self.generator.set_seed(None)
 
     def configure_optimizers(self) -> Any:
         return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory)

@@ -7,13 +7,21 @@ always carries the prompt's pixel inputs (a bug TRL users hit under vLLM).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from lightning_vlm.losses.preference import ipo_loss, sigmoid_loss
+from lightning_vlm.generation.base import SamplingOptions
+from lightning_vlm.losses.preference import (
+    PreferenceInputs,
+    logratio_margin,
+    per_example_loss,
+    reward_accuracy,
+)
 from lightning_vlm.methods.online import OnlineRL
 from lightning_vlm.methods.rollout_buffer import RolloutBatch, Step
+from lightning_vlm.models.vlm import VLM
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
 
@@ -23,25 +31,63 @@ class OnlineDPO(OnlineRL):
 
     def __init__(
         self,
-        *args: Any,
+        vlm: VLM,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+        reward_funcs: Sequence[Any] = ("accuracy_reward",),
+        reward_weights: Sequence[float] | None = None,
+        reward_model: Any | None = None,
+        num_generations: int = 2,
+        num_iterations: int = 1,
+        steps_per_generation: int = 1,
+        micro_batch_size: int | None = None,
+        max_completion_length: int = 16,
+        sampling: SamplingOptions | Mapping[str, Any] | None = None,
+        beta: float = 0.1,
+        mask_truncated_completions: bool = False,
+        max_grad_norm: float | None = 1.0,
+        vllm_importance_sampling_correction: bool = True,
+        vllm_importance_sampling_mode: str = "sequence_mask",
+        vllm_importance_sampling_cap: float = 3.0,
+        val_num_generations: int = 4,
+        val_seed: int = 1234,
+        seed: int | None = 0,
         loss_type: str = "sigmoid",
         missing_eos_penalty: float | None = None,
-        **kwargs: Any,
     ) -> None:
-        kwargs.setdefault("num_generations", 2)
-        kwargs.setdefault("beta", 0.1)
-        if kwargs["num_generations"] != 2:
+        if num_generations != 2:
             raise ValueError(
-                f"Online DPO compares two completions: num_generations must be 2, got {kwargs['num_generations']}"
+                f"Online DPO compares two completions: num_generations must be 2, got {num_generations}"
             )
         if loss_type not in DPO_LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
-        if not kwargs["beta"] > 0:
-            raise ValueError(f"Online DPO needs beta > 0 (the loss scales by it), got {kwargs['beta']}")
-        micro = kwargs.get("micro_batch_size")
-        if micro is not None and micro % 2:
-            raise ValueError(f"micro_batch_size must be even so pairs stay together, got {micro}")
-        super().__init__(*args, **kwargs)
+        if not beta > 0:
+            raise ValueError(f"Online DPO needs beta > 0 (the loss scales by it), got {beta}")
+        if micro_batch_size is not None and micro_batch_size % 2:
+            raise ValueError(f"micro_batch_size must be even so pairs stay together, got {micro_batch_size}")
+        super().__init__(
+            vlm=vlm,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            reward_funcs=reward_funcs,
+            reward_weights=reward_weights,
+            reward_model=reward_model,
+            num_generations=num_generations,
+            num_iterations=num_iterations,
+            steps_per_generation=steps_per_generation,
+            micro_batch_size=micro_batch_size,
+            max_completion_length=max_completion_length,
+            sampling=sampling,
+            beta=beta,
+            mask_truncated_completions=mask_truncated_completions,
+            max_grad_norm=max_grad_norm,
+            vllm_importance_sampling_correction=vllm_importance_sampling_correction,
+            vllm_importance_sampling_mode=vllm_importance_sampling_mode,
+            vllm_importance_sampling_cap=vllm_importance_sampling_cap,
+            val_num_generations=val_num_generations,
+            val_seed=val_seed,
+            seed=seed,
+        )
 
     @property
     def needs_reference(self) -> bool:
@@ -75,34 +121,34 @@ class OnlineDPO(OnlineRL):
         if len(index) % 2 or len(step.index) % 2:
             raise ValueError("Online DPO needs whole pairs per micro-batch and optimizer step (even sizes)")
         mask = batch.completion_mask[index].to(logps.dtype)
-        policy = (logps * mask).sum(-1).view(-1, 2)
-        ref = (batch.ref_logps[index] * mask).sum(-1).view(-1, 2)
-        lengths = mask.sum(-1).view(-1, 2).clamp(min=1)
         pair = index.view(-1, 2)[:, 0] // 2
         valid = batch.extras["pair_valid"][pair]
-        first = batch.extras["first_chosen"][pair]
-        chosen, rejected = torch.where(first, 0, 1), torch.where(first, 1, 0)
-        rows = torch.arange(len(pair), device=logps.device)
+        # Each pair as (chosen, rejected): its second completion first where that one won.
+        order = torch.stack(
+            [~batch.extras["first_chosen"][pair], batch.extras["first_chosen"][pair]], -1
+        ).long()
 
-        def pick(x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
-            return x[rows, which]
+        def chosen_rejected(per_completion: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            pairs = per_completion.view(-1, 2).gather(1, order)
+            return pairs[:, 0], pairs[:, 1]
 
-        ratio_c = pick(policy, chosen) - pick(ref, chosen)
-        ratio_r = pick(policy, rejected) - pick(ref, rejected)
-        if self.hparams.loss_type == "sigmoid":
-            per_pair = sigmoid_loss(ratio_c - ratio_r, self.hparams.beta)
-        else:
-            # IPO regresses the length-averaged margin to 1/(2β).
-            margin = ratio_c / pick(lengths, chosen) - ratio_r / pick(lengths, rejected)
-            per_pair = ipo_loss(margin, self.hparams.beta)
+        inputs = PreferenceInputs(
+            *chosen_rejected((logps * mask).sum(-1)),
+            *chosen_rejected((batch.ref_logps[index] * mask).sum(-1)),
+            *chosen_rejected(mask.sum(-1)),
+        )
+        per_pair = per_example_loss(self.hparams.loss_type, inputs, self.hparams.beta)
         loss = (per_pair * valid).sum() / step.counts["pairs"]
         with torch.no_grad():
             n = valid.sum().clamp(min=1)
-            margins = self.hparams.beta * (ratio_c - ratio_r)
+            margin = logratio_margin(
+                inputs.policy_chosen_logps, inputs.policy_rejected_logps, inputs.ref_chosen_logps,
+                inputs.ref_rejected_logps,
+            )  # fmt: skip
             stats = {
-                "rewards/margins": (margins * valid).sum() / n,
-                "rewards/accuracies": ((margins > 0) & valid).sum() / n,
-                "logps/chosen": (pick(policy, chosen) * valid).sum() / n,
-                "logps/rejected": (pick(policy, rejected) * valid).sum() / n,
+                "rewards/margins": (self.hparams.beta * margin * valid).sum() / n,
+                "rewards/accuracies": (reward_accuracy(margin) * valid).sum() / n,
+                "logps/chosen": (inputs.policy_chosen_logps * valid).sum() / n,
+                "logps/rejected": (inputs.policy_rejected_logps * valid).sum() / n,
             }
         return loss, stats

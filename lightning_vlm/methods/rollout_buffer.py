@@ -12,6 +12,7 @@ micro-batch (old/ref/sampler log-probs, masks) are plain row slices of [N, T] te
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -131,6 +132,19 @@ class RolloutBatch:
         """Columns of the (left-padded) prompt part of every micro-batch's inputs."""
         return self.prompt_inputs["input_ids"].shape[1]
 
+    @torch.no_grad()
+    def frozen_logps(self, model: Any, config: Any, size: int, temperature: float) -> torch.Tensor:
+        """Per-token log-probs [N, T] of the completions under ``model`` (the policy or its reference, a
+        ``token_logps`` owner), ``size`` completions per forward; frozen: no gradient."""
+        out = []
+        for start in range(0, len(self), size):
+            index = torch.arange(start, min(start + size, len(self)), device=self.completion_mask.device)
+            inputs = self.inputs(index, config)
+            mask = inputs["completion_mask"].bool()
+            logps, _ = model.token_logps(inputs, mask, temperature, mask_suppressed=True)
+            out.append(logps[:, self.prompt_width :])
+        return torch.cat(out)
+
 
 @dataclass
 class Step:
@@ -163,6 +177,30 @@ def global_counts(local: list[dict[str, torch.Tensor]], world_size: int) -> list
     stacked = torch.stack([torch.stack([c[k].float() for k in names]) for c in local])
     reduced = (all_reduce_sum(stacked) / world_size).clamp(min=1.0 / world_size)
     return [dict(zip(names, row, strict=True)) for row in reduced]
+
+
+def check_rollout_counts(
+    num_generations: int, num_iterations: int, steps_per_generation: int, micro_batch_size: int | None,
+    beta: float,
+) -> None:  # fmt: skip
+    """Refuse counts the loop cannot run (an error naming the setting), before any model work."""
+    for name, value in (("num_generations", num_generations), ("num_iterations", num_iterations),
+                        ("steps_per_generation", steps_per_generation)):  # fmt: skip
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if micro_batch_size is not None and micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1 or null, got {micro_batch_size}")
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0, got {beta}")
+
+
+def reward_columns(rollouts: Rollouts) -> dict[str, list]:
+    """What reward functions get besides the completions: every row column, one entry per completion,
+    with the chat ``prompts`` and the ``completion_ids``."""
+    rows = [rollouts.rows[i] for i in rollouts.prompt_index]
+    columns = {key: [row.get(key) for row in rows] for key in rows[0] if key not in ("prompt",)}
+    columns.update(prompts=[row["prompt"] for row in rows], completion_ids=rollouts.completion_ids)
+    return columns
 
 
 def index_chunks(n: int, parts: int, size: int | None) -> list[list[torch.Tensor]]:

@@ -9,15 +9,18 @@ import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
-from lightning_vlm.generation.base import SamplingSettings
 from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.losses.sft import sft_loss, token_accuracy
-from lightning_vlm.methods.common import answer_accuracy_rows, clip_gradients, configure_optimizers
+from lightning_vlm.methods.common import (
+    answer_accuracy_rows,
+    clip_gradients,
+    configure_optimizers,
+    greedy_answer_hits,
+)
 from lightning_vlm.methods.completions import CompletionRecorder, answer_samples
 from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_tokens
 from lightning_vlm.models.vlm import VLM
 from lightning_vlm.parallel.collectives import mean_normalizer
-from lightning_vlm.rewards.accuracy import answers_match
 from lightning_vlm.settings_check import check_positive
 
 
@@ -78,12 +81,7 @@ class SFT(L.LightningModule):
         self.val_loss.update(loss, weight=total)
         self.val_token_accuracy.update(correct / total.clamp(min=1), weight=total)
         prompts, references = answer_accuracy_rows(rows)
-        greedy = SamplingSettings(max_new_tokens=self.val_new_tokens, temperature=0.0, do_sample=False)
-        rollouts = self.generator.generate(prompts, num_generations=1, sampling=greedy)
-        hits = [
-            float(answers_match(text, ref))
-            for text, ref in zip(rollouts.completion_texts, references, strict=True)
-        ]
+        rollouts, hits = greedy_answer_hits(self.generator, prompts, references, self.val_new_tokens)
         self.val_answer_accuracy.update(torch.tensor(hits, device=self.device))
         if self.completion_recorder.wants("val"):
             samples = answer_samples(prompts, rollouts.completion_texts, references, hits)
