@@ -100,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.model_tag:
         args.model = args.model_tag
     if not torch.cuda.is_available():
-        args.dtype = cpu_dtype(args.dtype)  # as the colocated engine
+        args.dtype = cpu_dtype(args.dtype, args.model)  # as the colocated engine
     validate_parsed_serve_args(args)
     key = any(args.api_key or []) or bool(os.environ.get("VLLM_API_KEY"))  # --api-key "" is no key
     if not is_loopback(args.host) and not key and not own.allow_remote_without_api_key:

@@ -9,9 +9,11 @@ from lightning_vlm.training import train
 
 
 @pytest.mark.slow
-def test_sft_answer_accuracy_rises_from_chance_to_090(tmp_path):
+@pytest.mark.parametrize("model", ["tiny_qwen2_5_vl", "tiny_qwen3_vl"])
+def test_sft_answer_accuracy_rises_from_chance_to_090(model, tmp_path):
     cfg = compose_train(
         [
+            f"model={model}",
             "logger=csv",
             "callbacks=none",
             "validate_before_fit=true",

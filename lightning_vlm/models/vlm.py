@@ -12,25 +12,17 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from . import encoding
-from .image_tokens import NUM_IMAGES_KEY, QWEN_FAMILIES, check_image_tokens
+from .families import family_of
+from .image_tokens import NUM_IMAGES_KEY, check_image_tokens
 from .logprobs import scatter_to_tokens, scored_positions, selective_logps
 from .model_source import check_model_source
+from .special_tokens import end_of_turn_token, vision_special_ids
 from .vision_cache import IMAGE_GROUPS_KEY, shared_hidden_states
 
 # Keys the encoders add for our own use; the HF model must not see them.
 PRIVATE_KEYS = (NUM_IMAGES_KEY, "labels", "completion_mask", IMAGE_GROUPS_KEY)
 VISION_ATTRS = ("visual", "vision_tower", "vision_model")
 LANGUAGE_ATTRS = ("language_model", "text_model")
-# Processor attributes naming vision special tokens, across families.
-VISION_TOKEN_ATTRS = (
-    "image_token", "video_token", "boi_token", "eoi_token", "fake_image_token", "global_image_tag",
-    "vision_start_token", "vision_end_token", "image_start_token", "image_end_token",
-)  # fmt: skip
-VISION_CONFIG_ID = re.compile(
-    r"^(image|video|vision|boi|eoi)_.*token_(id|index)$|^(image|video)_token_(id|index)$"
-)
-# Fallback end-of-turn names when the template probe finds nothing.
-END_OF_TURN_NAMES = ("<|im_end|>", "<end_of_turn>", "<end_of_utterance>", "<|eot_id|>", "<|end|>")
 
 
 def _dtype(name: str):
@@ -69,6 +61,10 @@ class VLM(torch.nn.Module):
             **(model_kwargs or {}),
         )
         self.model_type: str = model.config.model_type
+        # Refuse an unregistered family here, before any batch is sliced by a guessed layout.
+        self.family = family_of(model.config)
+        if self.family.input_modalities is not None:
+            model.input_modalities = self.family.input_modalities
         if freeze_vision_tower:
             for p in self._find(model, VISION_ATTRS).parameters():
                 p.requires_grad_(False)
@@ -95,9 +91,14 @@ class VLM(torch.nn.Module):
             if self.tokenizer.pad_token_id is not None
             else (self.tokenizer.eos_token_id)
         )
-        self.end_of_turn: str = self._end_of_turn_token()
+        self.end_of_turn: str = end_of_turn_token(self.processor, self.tokenizer)
         self.end_of_turn_id: int = self.tokenizer.convert_tokens_to_ids(self.end_of_turn)
-        self.suppressed_token_ids: list[int] = self._vision_special_ids()
+        keep = {self.end_of_turn_id, self.pad_token_id, self.tokenizer.eos_token_id}
+        self.suppressed_token_ids: list[int] = [
+            i
+            for i in vision_special_ids(self.processor, self.tokenizer, self.config, self.family)
+            if i not in keep and i < self.lm_head.out_features
+        ]
 
     # ---- structure, across families and through PEFT -------------------------------------------------
     @property
@@ -153,39 +154,6 @@ class VLM(torch.nn.Module):
         )
         return rf"{re.escape(prefix)}\..*\.({'|'.join(map(re.escape, leaves))})"
 
-    def _end_of_turn_token(self) -> str:
-        # Render a one-exchange chat and take the first special token after the assistant's text.
-        probe = [
-            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
-            {"role": "assistant", "content": [{"type": "text", "text": "ZQXJ"}]},
-        ]
-        try:
-            tail = encoding.render(self.processor, probe).split("ZQXJ", 1)[1]
-            specials = set(self.tokenizer.all_special_tokens) | set(self.tokenizer.get_added_vocab())
-            for token in self.tokenizer.tokenize(tail):
-                if token in specials:
-                    return token
-        except (IndexError, ValueError, TypeError):
-            pass
-        vocab = self.tokenizer.get_vocab()
-        return next((name for name in END_OF_TURN_NAMES if name in vocab), self.tokenizer.eos_token)
-
-    def _vision_special_ids(self) -> list[int]:
-        # Every image/video/vision marker: a weak model samples them, and the next forward then fails.
-        ids = {
-            int(v)
-            for k, v in self.config.to_dict().items()
-            if VISION_CONFIG_ID.match(k) and isinstance(v, int)
-        }
-        vocab = self.tokenizer.get_vocab()
-        for attr in VISION_TOKEN_ATTRS:
-            token = getattr(self.processor, attr, None) or getattr(self.tokenizer, attr, None)
-            if isinstance(token, str) and token in vocab:
-                ids.add(vocab[token])
-        ids |= {i for t, i in vocab.items() if re.fullmatch(r"<row_\d+_col_\d+>", t)}  # Idefics3 tiles
-        keep = {self.end_of_turn_id, self.pad_token_id, self.tokenizer.eos_token_id}
-        return sorted(i for i in ids if i not in keep and i < self.lm_head.out_features)
-
     def save_pretrained(self, dirpath: str | os.PathLike, merge_lora: bool = True) -> None:
         """Saves model and processor into one folder that transformers and vLLM load (LoRA merged)."""
         from .weight_names import save_for_hf_and_vllm
@@ -225,9 +193,9 @@ class VLM(torch.nn.Module):
     def model_inputs(self, inputs: dict) -> dict:
         """What the HF model receives: private keys dropped, padding-aware ``position_ids`` added."""
         out = {k: v for k, v in inputs.items() if k not in PRIVATE_KEYS}
-        if "attention_mask" in out and "position_ids" not in out and self.model_type not in QWEN_FAMILIES:
+        if "attention_mask" in out and "position_ids" not in out and not self.family.model_positions:
             # generate() numbers positions over real tokens; do the same so left padding gives equal logps.
-            # (Qwen computes its 3-D rope positions from the attention mask itself.)
+            # (M-RoPE families compute their 3-D positions from the attention mask themselves.)
             mask = out["attention_mask"]
             out["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
         return out

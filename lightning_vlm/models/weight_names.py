@@ -4,7 +4,8 @@ transformers 5 keeps the vision tower of LLaVA-style models (LLaVA, LLaVA-Next, 
 vision transformer (``model.vision_tower.encoder...``), while vLLM builds the full vision model and
 wants ``vision_tower.vision_model.encoder...``. transformers' loader strips that extra
 ``vision_model.`` again, so names in vLLM's form load in both. The same mapping serves saving the
-tiny zoo's checkpoints and syncing a trainer's weights into a running vLLM engine.
+tiny zoo's checkpoints and syncing a trainer's weights into a running vLLM engine. Which families
+need it is the registry's ``vllm_vision_model_prefix`` (``families.py``).
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-# Model types whose vision tower needs the ``vision_model.`` level in vLLM's names.
-VISION_MODEL_PREFIXED: frozenset[str] = frozenset({"llava", "llava_next", "gemma3"})
+from .families import family_of
 
 _TOWER = re.compile(r"^((?:model\.)?vision_tower\.)(?!vision_model\.)")
 _PEFT_PREFIX = "base_model.model."
@@ -29,7 +29,7 @@ def hf_to_vllm_names(
     A PEFT wrapper's ``base_model.model.`` prefix and ``.base_layer`` level are removed (merge the
     adapters first: LoRA factors themselves have no place in vLLM's model and raise).
     """
-    prefixed = family_or_model_type in VISION_MODEL_PREFIXED
+    prefixed = family_of(family_or_model_type).vllm_vision_model_prefix
     for name, tensor in state_dict_items:
         if name.startswith(_PEFT_PREFIX):
             name = name[len(_PEFT_PREFIX) :]
@@ -46,7 +46,7 @@ def save_for_hf_and_vllm(model: Any, out_dir: str | os.PathLike) -> None:
     from safetensors.torch import load_file, save_file
 
     model.save_pretrained(out_dir)
-    if model.config.model_type not in VISION_MODEL_PREFIXED:
+    if not family_of(model.config).vllm_vision_model_prefix:
         return
     path = os.path.join(os.fspath(out_dir), "model.safetensors")
     tensors = load_file(path)

@@ -1,10 +1,10 @@
 """Lightning's FSDP for VLMs: each family's own layer classes wrapped and checkpointed, found on the model.
 
 Lightning's ``FSDPStrategy`` needs the classes to wrap at construction, before any model exists, so a
-config would have to name ``Qwen2_5_VLDecoderLayer`` (and every other family's) by hand. Every
-transformers model already declares them: ``_no_split_modules`` lists the blocks that must stay whole
-(decoder layers, vision blocks), the same list Accelerate's transformer-based FSDP wrap uses. This
-strategy reads it from the module it is given, so ``trainer=fsdp`` fits every model config.
+config would have to name ``Qwen2_5_VLDecoderLayer`` (and every other family's) by hand. The family
+registry names each family's decoder layer and vision block (``Family.layer_classes``, the blocks
+of transformers' ``_no_split_modules`` that must stay whole); this strategy finds the family of the
+module it is given, so ``trainer=fsdp`` fits every model config.
 """
 
 from __future__ import annotations
@@ -14,27 +14,37 @@ from typing import Any
 
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
+from transformers import PretrainedConfig
+
+from lightning_vlm.models.families import FAMILIES, family_of
 
 
-def no_split_classes(module: torch.nn.Module) -> set[type[torch.nn.Module]]:
-    """The classes of the modules inside ``module`` that a transformers model lists in ``_no_split_modules``."""
-    names: set[str] = set()
-    for sub in module.modules():
-        declared = getattr(sub, "_no_split_modules", None)
-        if isinstance(declared, (list, tuple, set)):
-            names.update(declared)
+def layer_classes(module: torch.nn.Module) -> set[type[torch.nn.Module]]:
+    """The classes of the decoder layers and vision blocks inside ``module``, as its family's record
+    (``families.py``) names them."""
+    configs = [
+        sub.config
+        for sub in module.modules()
+        if isinstance(getattr(sub, "config", None), PretrainedConfig) and sub.config.model_type in FAMILIES
+    ]
+    if not configs:
+        raise ValueError(
+            f"{type(module).__name__} holds no model of a registered family; give "
+            "trainer.strategy.auto_wrap_policy (a set of layer classes) instead of wrap_layers=true"
+        )
+    names = set(family_of(configs[0]).layer_classes)
     classes = {type(sub) for sub in module.modules() if type(sub).__name__ in names}
     if not classes:
         raise ValueError(
-            f"no layer of {type(module).__name__} is listed in a transformers model's _no_split_modules: give "
-            "trainer.strategy.auto_wrap_policy (a set of layer classes) instead of wrap_layers=true"
+            f"none of {sorted(names)} (the {configs[0].model_type} record's layer_classes) is inside "
+            f"{type(module).__name__}: fix the record in lightning_vlm/models/families.py"
         )
     return classes
 
 
 class VLMFSDPStrategy(FSDPStrategy):
     """``FSDPStrategy`` whose auto-wrap (``wrap_layers``) and activation checkpointing
-    (``checkpoint_layers``) policies are the model's ``_no_split_modules`` classes.
+    (``checkpoint_layers``) policies are the model family's ``layer_classes``.
 
     Every other argument is Lightning's (``sharding_strategy``, ``state_dict_type``, ``cpu_offload``,
     ``mixed_precision``, ...); an explicit ``auto_wrap_policy`` / ``activation_checkpointing_policy``
@@ -57,7 +67,7 @@ class VLMFSDPStrategy(FSDPStrategy):
             return self._root
 
         if self.wrap_layers or self.checkpoint_layers:
-            classes = no_split_classes(model)
+            classes = layer_classes(model)
             if self.wrap_layers and "auto_wrap_policy" not in self.kwargs:
                 self.kwargs["auto_wrap_policy"] = ModuleWrapPolicy(classes)
             if self.checkpoint_layers and not self._activation_checkpointing_kwargs:
