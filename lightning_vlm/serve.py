@@ -29,7 +29,7 @@ OWN_OPTIONS = (
     ("--max-weights-gb", "LIGHTNING_VLM_MAX_WEIGHTS_GB", "largest weight upload (streamed to disk)"),
 )
 # The colocated engine's CPU settings (measured on 2 cores; see the CPU notes); each can be overridden.
-CPU_DEFAULTS = dict(**CPU_ENGINE, dtype="float32", max_model_len=1024, max_num_batched_tokens=1024)
+CPU_DEFAULTS = dict(**CPU_ENGINE, dtype="auto", max_model_len=1024, max_num_batched_tokens=1024)
 DEFAULTS = dict(
     host="127.0.0.1", seed=0, logprobs_mode="processed_logprobs", limit_mm_per_prompt=dict(IMAGES_ONLY)
 )

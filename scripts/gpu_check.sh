@@ -35,7 +35,7 @@ now() { date +%s.%N; }
 echo "== 1/2 colocated vLLM, sleep mode on ($STEPS steps); logs in $RUN"
 t0=$(now)
 "$PY" train.py "${COMMON[@]}" generation=vllm_colocate \
-  callbacks.vllm_generation.enable_sleep_mode=true callbacks.vllm_generation.gpu_memory_utilization=0.3 \
+  callbacks.vllm_generation.engine.enable_sleep_mode=true callbacks.vllm_generation.engine.gpu_memory_utilization=0.3 \
   hydra.run.dir="$RUN/colocate" > "$RUN/colocate.log" 2>&1 || { tail -50 "$RUN/colocate.log"; exit 1; }
 t1=$(now)
 
@@ -57,7 +57,7 @@ t4=$(now); t5=$t4
 if [ "$GPUS" -ge 2 ]; then
   echo "== 3/4 DDP on 2 GPUs, colocated vLLM per rank ($STEPS steps)"
   "$PY" train.py "${COMMON[@]}" trainer=ddp trainer.devices=2 generation=vllm_colocate \
-    callbacks.vllm_generation.gpu_memory_utilization=0.3 hydra.run.dir="$RUN/ddp" > "$RUN/ddp.log" 2>&1 \
+    callbacks.vllm_generation.engine.gpu_memory_utilization=0.3 hydra.run.dir="$RUN/ddp" > "$RUN/ddp.log" 2>&1 \
     || { tail -50 "$RUN/ddp.log"; exit 1; }
   t5=$(now)
 else
@@ -71,7 +71,7 @@ fi
 echo "== 4/4 FSDP on $FSDP_DEVICES device(s), colocated vLLM ($STEPS steps)"
 t6=$(now)
 "$PY" train.py "${COMMON[@]}" trainer=fsdp "trainer.devices=$FSDP_DEVICES" "${FSDP_EXTRA[@]}" \
-  generation=vllm_colocate callbacks.vllm_generation.gpu_memory_utilization=0.3 hydra.run.dir="$RUN/fsdp" \
+  generation=vllm_colocate callbacks.vllm_generation.engine.gpu_memory_utilization=0.3 hydra.run.dir="$RUN/fsdp" \
   > "$RUN/fsdp.log" 2>&1 || { tail -50 "$RUN/fsdp.log"; exit 1; }
 t7=$(now)
 

@@ -51,17 +51,6 @@ def _train_step(vlm, lr: float = 0.05) -> None:
     opt.zero_grad()
 
 
-def _mixed_rows() -> list[dict]:
-    """An image row, a text-only row and a row with three images of different sizes."""
-    rows = _rows(3)
-    rows[1]["images"] = []
-    rows[1]["prompt"][0]["content"] = [b for b in rows[1]["prompt"][0]["content"] if b["type"] == "text"]
-    image = rows[2]["images"][0]
-    rows[2]["images"] = [image.resize((64, 64)), image, image.resize((128, 96))]
-    rows[2]["prompt"][0]["content"][:0] = [{"type": "image"}, {"type": "image"}]
-    return rows
-
-
 def _compare(vlm, generator, rows: list[dict] | None = None) -> dict:
     """Greedy ids (HF and vLLM) and the largest log-prob difference on them."""
     from lightning_vlm.generation.hf import HFGenerator
@@ -166,6 +155,7 @@ def families(paths: dict) -> dict:
     """Greedy parity through HFGenerator and VLLMColocateGenerator on mixed rows, every tiny family.
 
     The VLM runs in the dtype vLLM's CPU kernels take for the family (bf16 for Qwen3.5)."""
+    from helpers import mixed_rows
     from lightning_vlm.generation.vllm_colocate import VLLMColocateGenerator
     from lightning_vlm.models.families import family_of
     from lightning_vlm.models.tiny import TINY_FAMILIES, tiny_vlm_path
@@ -181,7 +171,7 @@ def families(paths: dict) -> dict:
             vlm = VLM(path, dtype=dtype).eval()
             generator = VLLMColocateGenerator(vlm, model_path=path)
             try:
-                report[family] = {"dtype": dtype, **_compare(vlm, generator, _mixed_rows())}
+                report[family] = {"dtype": dtype, **_compare(vlm, generator, mixed_rows())}
             finally:
                 generator.close()
         except Exception as exc:  # one family's failure must not hide the others'

@@ -67,3 +67,19 @@ def trained_by_lora(name: str) -> bool:
 def base_name(name: str) -> str:
     """The HF model's name of a frozen PEFT parameter (``base_layer``/``original_module`` unwrapped)."""
     return name.removeprefix("base_model.model.").replace(".base_layer", "").replace(".original_module", "")
+
+
+def mixed_rows(shape: str = "prompt", seed: int = 7) -> list[dict]:
+    """Three synthetic rows in one batch: an image row, a text-only row, and a row with three images
+    of different sizes (64x64, the task's 112x112, 128x96): what every VLM trainer gets wrong somewhere."""
+    from lightning_vlm.data.synthetic import synthetic_rows
+
+    rows = synthetic_rows(shape, 3, seed=seed)
+    turn = rows[1]["prompt"][0] if shape != "sft" else rows[1]["messages"][0]
+    rows[1]["images"] = []
+    turn["content"] = [b for b in turn["content"] if b["type"] == "text"]
+    image = rows[2]["images"][0]
+    rows[2]["images"] = [image.resize((64, 64)), image, image.resize((128, 96))]
+    first = rows[2]["prompt"][0] if shape != "sft" else rows[2]["messages"][0]
+    first["content"][:0] = [{"type": "image"}, {"type": "image"}]
+    return rows

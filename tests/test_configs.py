@@ -10,9 +10,12 @@ from hydra.utils import get_class, get_method
 from omegaconf import DictConfig, OmegaConf
 
 from helpers import compose_train, group_options
+from lightning_vlm.methods.online import OnlineRL
+from lightning_vlm.models.families import FAMILIES
 from lightning_vlm.training import instantiate_group
 
-REAL_MODELS = ["qwen2_5_vl", "qwen2_5_vl_7b", "qwen2_vl", "gemma3", "llava_next", "smolvlm"]
+# Every hub-model config: each family's, and the extra sizes.
+REAL_MODELS = sorted({f.hub_config for f in FAMILIES.values() if f.hub_config} | {"qwen2_5_vl_7b"})
 
 
 def _bind(node: DictConfig) -> None:
@@ -85,7 +88,9 @@ def test_online_yaml_values_are_the_signature_defaults(method, tmp_path):
     method's YAML agree on every plain value (interpolations follow conf/scale or the run's seed)."""
     cfg = compose_train([f"method={method}"], tmp_path)
     node = OmegaConf.to_container(cfg.method, resolve=False)
-    params = inspect.signature(get_class(node.pop("_target_"))).parameters
+    cls = get_class(node.pop("_target_"))
+    # The method's own parameters, then the shared ones it passes on (**online) to OnlineRL.
+    params = {**inspect.signature(OnlineRL).parameters, **inspect.signature(cls).parameters}
     assert set(node) <= set(params), set(node) - set(params)
     for key, value in node.items():
         default = params[key].default

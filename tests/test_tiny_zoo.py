@@ -166,15 +166,11 @@ def test_weights_synced_into_vllm_under_mapped_names_match(parity_report, family
 
 
 def _mixed_prompts() -> dict[str, tuple[list[dict], list]]:
-    """A text-only prompt and one with three images of different sizes (64x64, the task's, 128x96)."""
-    messages, sample = _prompt(seed=3)
-    three = [sample.image.resize((64, 64)), _prompt(seed=4)[1].image, sample.image.resize((128, 96))]
-    text = messages[0]["content"][-1]["text"]
-    blocks = [{"type": "image"}] * 3 + [{"type": "text", "text": text}]
-    return {
-        "text_only": ([{"role": "user", "content": [{"type": "text", "text": text}]}], []),
-        "three_images": ([{"role": "user", "content": blocks}], three),
-    }
+    """The text-only and the 3-image prompt of ``helpers.mixed_rows`` (images of different sizes)."""
+    from helpers import mixed_rows
+
+    rows = mixed_rows("prompt", seed=3)
+    return {"text_only": (rows[1]["prompt"], []), "three_images": (rows[2]["prompt"], rows[2]["images"])}
 
 
 def _hf_greedy(model, processor, messages, images, config, image_id) -> dict:

@@ -144,15 +144,22 @@ def seeded(generator: Generator, seed: int | None, device: torch.device) -> Iter
     if seed is None:
         yield
         return
-    import torch  # here: composing a config imports this module, and needs no torch
-
-    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
+    with torch_seeded(seed, device):
         generator.set_seed(seed)
         try:
             yield
         finally:
             generator.set_seed(None)
+
+
+@contextlib.contextmanager
+def torch_seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """Run with torch's RNG (CPU and ``device``'s CUDA generator) seeded to ``seed``, then restored."""
+    import torch  # here: composing a config imports this module, and needs no torch
+
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        torch.manual_seed(seed)  # seeds the CUDA generators too
+        yield
 
 
 def cut_at_eos(ids: list[int], eos_ids: set[int]) -> tuple[list[int], bool]:

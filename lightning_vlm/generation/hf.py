@@ -8,7 +8,13 @@ from collections.abc import Iterator
 import torch
 from transformers import GenerationConfig
 
-from lightning_vlm.generation.base import OwnWeightsGenerator, Rollouts, SamplingSettings, cut_at_eos
+from lightning_vlm.generation.base import (
+    OwnWeightsGenerator,
+    Rollouts,
+    SamplingSettings,
+    cut_at_eos,
+    torch_seeded,
+)
 from lightning_vlm.models.vlm import PRIVATE_KEYS, VLM
 
 
@@ -61,9 +67,7 @@ class HFGenerator(OwnWeightsGenerator):
         if self.seed is None:
             yield
             return
-        device = next(self.vlm.model.parameters()).device
-        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-            torch.manual_seed(self.seed)  # seeds the CUDA generators too
+        with torch_seeded(self.seed, next(self.vlm.model.parameters()).device):
             yield
 
     def _generate_all(self, rows: list[dict], num_generations: int, sampling: SamplingSettings) -> Rollouts:

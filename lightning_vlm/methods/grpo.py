@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import Unpack
 
 import torch
 
-from lightning_vlm.generation.base import SamplingOptions
 from lightning_vlm.losses.advantages import SCALE_REWARDS, group_advantages
 from lightning_vlm.losses.policy import LEVELS, LOSS_TYPES, policy_loss
 from lightning_vlm.methods.online import OnlineRL
+from lightning_vlm.methods.online_kwargs import OnlineKwargs
 from lightning_vlm.methods.rollout_buffer import RolloutBatch, Step
 from lightning_vlm.models.vlm import VLM
 
@@ -22,31 +22,13 @@ class GRPO(OnlineRL):
         self,
         vlm: VLM,
         optimizer: Callable[..., torch.optim.Optimizer],
-        scheduler: Callable[..., Any] | None = None,
-        reward_funcs: Sequence[Any] = ("accuracy_reward",),
-        reward_weights: Sequence[float] | None = None,
-        reward_model: Any | None = None,
-        num_generations: int = 8,
-        num_iterations: int = 1,
-        steps_per_generation: int = 1,
-        micro_batch_size: int | None = None,
-        max_completion_length: int = 16,
-        sampling: SamplingOptions | Mapping[str, Any] | None = None,
-        beta: float = 0.0,
-        mask_truncated_completions: bool = False,
-        max_grad_norm: float | None = 1.0,
-        vllm_importance_sampling_correction: bool = True,
-        vllm_importance_sampling_mode: str = "sequence_mask",
-        vllm_importance_sampling_cap: float = 3.0,
-        val_num_generations: int = 4,
-        val_seed: int = 1234,
-        seed: int | None = 0,
         epsilon: float = 0.2,
         epsilon_high: float | None = None,
         loss_type: str = "dapo",
         importance_sampling_level: str = "token",
         scale_rewards: str = "group",
         top_entropy_quantile: float = 1.0,
+        **online: Unpack[OnlineKwargs],
     ) -> None:
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
@@ -60,29 +42,7 @@ class GRPO(OnlineRL):
             raise ValueError(f"top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}")
         if epsilon <= 0 or (epsilon_high is not None and epsilon_high <= 0):
             raise ValueError(f"epsilon and epsilon_high must be > 0, got {epsilon}, {epsilon_high}")
-        super().__init__(
-            vlm=vlm,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            reward_funcs=reward_funcs,
-            reward_weights=reward_weights,
-            reward_model=reward_model,
-            num_generations=num_generations,
-            num_iterations=num_iterations,
-            steps_per_generation=steps_per_generation,
-            micro_batch_size=micro_batch_size,
-            max_completion_length=max_completion_length,
-            sampling=sampling,
-            beta=beta,
-            mask_truncated_completions=mask_truncated_completions,
-            max_grad_norm=max_grad_norm,
-            vllm_importance_sampling_correction=vllm_importance_sampling_correction,
-            vllm_importance_sampling_mode=vllm_importance_sampling_mode,
-            vllm_importance_sampling_cap=vllm_importance_sampling_cap,
-            val_num_generations=val_num_generations,
-            val_seed=val_seed,
-            seed=seed,
-        )
+        super().__init__(vlm, optimizer, **online)
 
     def compute_advantages(self, batch: RolloutBatch) -> torch.Tensor:
         """(r - group mean) / (std + 1e-4), std of the group, the batch (all ranks'), or none (Dr. GRPO)."""

@@ -7,12 +7,11 @@ always carries the prompt's pixel inputs (a bug TRL users hit under vLLM).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import Unpack
 
 import torch
 
-from lightning_vlm.generation.base import SamplingOptions
 from lightning_vlm.losses.preference import (
     PreferenceInputs,
     logratio_margin,
@@ -20,6 +19,7 @@ from lightning_vlm.losses.preference import (
     reward_accuracy,
 )
 from lightning_vlm.methods.online import OnlineRL
+from lightning_vlm.methods.online_kwargs import OnlineKwargs
 from lightning_vlm.methods.rollout_buffer import RolloutBatch, Step
 from lightning_vlm.models.vlm import VLM
 
@@ -33,27 +33,11 @@ class OnlineDPO(OnlineRL):
         self,
         vlm: VLM,
         optimizer: Callable[..., torch.optim.Optimizer],
-        scheduler: Callable[..., Any] | None = None,
-        reward_funcs: Sequence[Any] = ("accuracy_reward",),
-        reward_weights: Sequence[float] | None = None,
-        reward_model: Any | None = None,
         num_generations: int = 2,
-        num_iterations: int = 1,
-        steps_per_generation: int = 1,
-        micro_batch_size: int | None = None,
-        max_completion_length: int = 16,
-        sampling: SamplingOptions | Mapping[str, Any] | None = None,
         beta: float = 0.1,
-        mask_truncated_completions: bool = False,
-        max_grad_norm: float | None = 1.0,
-        vllm_importance_sampling_correction: bool = True,
-        vllm_importance_sampling_mode: str = "sequence_mask",
-        vllm_importance_sampling_cap: float = 3.0,
-        val_num_generations: int = 4,
-        val_seed: int = 1234,
-        seed: int | None = 0,
         loss_type: str = "sigmoid",
         missing_eos_penalty: float | None = None,
+        **online: Unpack[OnlineKwargs],
     ) -> None:
         if num_generations != 2:
             raise ValueError(
@@ -63,31 +47,10 @@ class OnlineDPO(OnlineRL):
             raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
         if not beta > 0:
             raise ValueError(f"Online DPO needs beta > 0 (the loss scales by it), got {beta}")
-        if micro_batch_size is not None and micro_batch_size % 2:
-            raise ValueError(f"micro_batch_size must be even so pairs stay together, got {micro_batch_size}")
-        super().__init__(
-            vlm=vlm,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            reward_funcs=reward_funcs,
-            reward_weights=reward_weights,
-            reward_model=reward_model,
-            num_generations=num_generations,
-            num_iterations=num_iterations,
-            steps_per_generation=steps_per_generation,
-            micro_batch_size=micro_batch_size,
-            max_completion_length=max_completion_length,
-            sampling=sampling,
-            beta=beta,
-            mask_truncated_completions=mask_truncated_completions,
-            max_grad_norm=max_grad_norm,
-            vllm_importance_sampling_correction=vllm_importance_sampling_correction,
-            vllm_importance_sampling_mode=vllm_importance_sampling_mode,
-            vllm_importance_sampling_cap=vllm_importance_sampling_cap,
-            val_num_generations=val_num_generations,
-            val_seed=val_seed,
-            seed=seed,
-        )
+        micro = online.get("micro_batch_size")
+        if micro is not None and micro % 2:
+            raise ValueError(f"micro_batch_size must be even so pairs stay together, got {micro}")
+        super().__init__(vlm, optimizer, num_generations=num_generations, beta=beta, **online)
 
     @property
     def needs_reference(self) -> bool:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import Unpack
 
 import torch
 
-from lightning_vlm.generation.base import SamplingOptions
 from lightning_vlm.losses.advantages import kl_penalized_rewards, rloo_advantages
 from lightning_vlm.losses.rloo import rloo_loss
 from lightning_vlm.methods.online import OnlineRL
+from lightning_vlm.methods.online_kwargs import OnlineKwargs
 from lightning_vlm.methods.rollout_buffer import RolloutBatch, Step
 from lightning_vlm.models.vlm import VLM
 
@@ -22,54 +22,15 @@ class RLOO(OnlineRL):
         self,
         vlm: VLM,
         optimizer: Callable[..., torch.optim.Optimizer],
-        scheduler: Callable[..., Any] | None = None,
-        reward_funcs: Sequence[Any] = ("accuracy_reward",),
-        reward_weights: Sequence[float] | None = None,
-        reward_model: Any | None = None,
-        num_generations: int = 8,
-        num_iterations: int = 1,
-        steps_per_generation: int = 1,
-        micro_batch_size: int | None = None,
-        max_completion_length: int = 16,
-        sampling: SamplingOptions | Mapping[str, Any] | None = None,
         beta: float = 0.05,
-        mask_truncated_completions: bool = False,
-        max_grad_norm: float | None = 1.0,
-        vllm_importance_sampling_correction: bool = True,
-        vllm_importance_sampling_mode: str = "sequence_mask",
-        vllm_importance_sampling_cap: float = 3.0,
-        val_num_generations: int = 4,
-        val_seed: int = 1234,
-        seed: int | None = 0,
         epsilon: float = 0.2,
         epsilon_high: float | None = None,
         normalize_advantages: bool = False,
+        **online: Unpack[OnlineKwargs],
     ) -> None:
-        if num_generations < 2:
-            raise ValueError(f"RLOO needs num_generations >= 2, got {num_generations}")
-        super().__init__(
-            vlm=vlm,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            reward_funcs=reward_funcs,
-            reward_weights=reward_weights,
-            reward_model=reward_model,
-            num_generations=num_generations,
-            num_iterations=num_iterations,
-            steps_per_generation=steps_per_generation,
-            micro_batch_size=micro_batch_size,
-            max_completion_length=max_completion_length,
-            sampling=sampling,
-            beta=beta,
-            mask_truncated_completions=mask_truncated_completions,
-            max_grad_norm=max_grad_norm,
-            vllm_importance_sampling_correction=vllm_importance_sampling_correction,
-            vllm_importance_sampling_mode=vllm_importance_sampling_mode,
-            vllm_importance_sampling_cap=vllm_importance_sampling_cap,
-            val_num_generations=val_num_generations,
-            val_seed=val_seed,
-            seed=seed,
-        )
+        super().__init__(vlm, optimizer, beta=beta, **online)
+        if self.hparams.num_generations < 2:
+            raise ValueError(f"RLOO needs num_generations >= 2, got {self.hparams.num_generations}")
         if self.hparams.vllm_importance_sampling_correction and self.is_level != "sequence":
             raise ValueError(
                 "RLOO's loss is per sequence: vllm_importance_sampling_mode must be sequence_truncate or "

@@ -59,6 +59,8 @@ class Family:
     suppress_token_attrs: tuple[str, ...] = ()
     suppress_config_keys: tuple[str, ...] = ()
     suppress_token_pattern: str | None = None
+    # The conf/model config of the family's pretrained checkpoints (None: none shipped yet).
+    hub_config: str | None = None
     # Class names of the blocks FSDP wraps and checkpoints (decoder layer, vision block).
     layer_classes: tuple[str, ...] = ()
     # transformers' own ``input_modalities`` when the class declares too few: generate() encodes
@@ -76,6 +78,7 @@ class Family:
 def _qwen(model_type: str, decoder: str, vision: str, **extra) -> Family:
     return Family(
         model_type=model_type,
+        hub_config=model_type,
         layout="patch_rows",
         tokens_per_image=rules.grid_tokens,
         image_keys=("image_grid_thw",),
@@ -88,6 +91,7 @@ def _qwen(model_type: str, decoder: str, vision: str, **extra) -> Family:
 def _idefics(model_type: str, decoder: str, vision: str) -> Family:
     return Family(
         model_type=model_type,
+        hub_config="smolvlm",
         layout="sample_rows",
         tokens_per_image=rules.idefics_tokens,
         image_keys=("pixel_attention_mask",),
@@ -112,6 +116,7 @@ _RECORDS = (
     ),
     Family(
         model_type="gemma3",
+        hub_config="gemma3",
         layout="image_rows",
         tokens_per_image=rules.gemma3_tokens,
         vllm_vision_model_prefix=True,
@@ -119,6 +124,7 @@ _RECORDS = (
     ),
     Family(
         model_type="gemma4",
+        hub_config="gemma4",
         layout="image_rows",
         tokens_per_image=rules.gemma4_tokens,
         image_keys=("image_position_ids",),
@@ -137,6 +143,7 @@ _RECORDS = (
     ),
     Family(
         model_type="llava_next",
+        hub_config="llava_next",
         layout="padded_tiles",
         tokens_per_image=rules.llava_next_tokens,
         image_keys=("image_sizes",),
@@ -145,6 +152,7 @@ _RECORDS = (
     ),
     Family(
         model_type="internvl",
+        hub_config="internvl",
         layout="tile_rows",
         tokens_per_image=rules.internvl_tokens,
         suppress_token_attrs=("start_image_token", "end_image_token", "context_image_token"),

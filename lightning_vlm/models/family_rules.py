@@ -27,17 +27,15 @@ def image_token_id(config) -> int:
 def placeholder_runs(input_ids: torch.Tensor, token_id: int) -> list[list[int]]:
     """Per row, the lengths of the contiguous runs of ``token_id`` (one run per image), in order."""
     out = []
-    for row in (input_ids == token_id).tolist():
-        runs, length = [], 0
-        for hit in row:
-            if hit:
-                length += 1
-            elif length:
-                runs.append(length)
-                length = 0
-        if length:
-            runs.append(length)
-        out.append(runs)
+    for row in input_ids == token_id:
+        positions = row.nonzero().flatten()
+        if positions.numel() == 0:
+            out.append([])
+            continue
+        # A run ends wherever the next placeholder is not the next position.
+        ends = (positions.diff() != 1).nonzero().flatten() + 1
+        bounds = torch.cat([ends.new_zeros(1), ends, ends.new_tensor([positions.numel()])])
+        out.append(bounds.diff().tolist())
     return out
 
 

@@ -61,11 +61,20 @@ def rows_per_image(inputs: dict, config) -> list[int]:
     return [1] * len(tokens_per_image(inputs, config))
 
 
-def features_per_image(inputs: dict, config) -> list[int]:
-    """Entries of ``get_image_features``' output each image owns: its tiles (InternVL), else 1."""
-    if family_of(config).layout == "tile_rows":
-        return rows_per_image(inputs, config)
-    return [1] * sum(num_images_per_sample(inputs, config))
+def features_per_sample(inputs: dict, config) -> list[int]:
+    """Entries of ``get_image_features``' output each sample owns: its images, or their tiles
+    (InternVL), or its real sub-images (Idefics3 / SmolVLM with image splitting)."""
+    layout = family_of(config).layout
+    if layout == "sample_rows":
+        if "pixel_values" not in inputs:
+            return [0] * inputs["input_ids"].shape[0]
+        return real_idefics_images(inputs["pixel_values"]).sum(dim=1).tolist()
+    per_sample = num_images_per_sample(inputs, config)
+    if layout != "tile_rows":
+        return per_sample
+    tiles = rows_per_image(inputs, config)
+    offsets = [0, *torch.tensor(per_sample, dtype=torch.long).cumsum(0).tolist()]
+    return [sum(tiles[offsets[b] : offsets[b + 1]]) for b in range(len(per_sample))]
 
 
 def check_image_tokens(inputs: dict, config) -> None:

@@ -12,19 +12,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from .families import FAMILIES
+
 log = logging.getLogger(__name__)
 
 # Above this many parameters the tiny settings are wrong (the tiny zoo is ~0.4 M; the smallest
 # pretrained VLMs are ~250 M).
 TINY_MAX_PARAMETERS = 20_000_000
-# transformers model_type -> the conf/model config of that family's pretrained models
-FAMILY_CONFIGS = {
-    "qwen2_5_vl": "qwen2_5_vl",
-    "qwen2_vl": "qwen2_vl",
-    "gemma3": "gemma3",
-    "llava_next": "llava_next",
-    "idefics3": "smolvlm",
-}
+# transformers model_type -> the conf/model config of that family's pretrained models (the registry's)
+FAMILY_CONFIGS = {f.model_type: f.hub_config for f in FAMILIES.values() if f.hub_config}
 
 
 def count_parameters(config: Any) -> int:

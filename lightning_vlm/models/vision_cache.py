@@ -36,7 +36,7 @@ import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from .families import family_of
-from .image_tokens import features_per_image, merge_image_inputs, num_images_per_sample, split_image_inputs
+from .image_tokens import features_per_sample, merge_image_inputs, num_images_per_sample, split_image_inputs
 
 IMAGE_GROUPS_KEY = "image_groups"
 
@@ -56,16 +56,14 @@ def with_image_groups(inputs: dict, groups: torch.Tensor | Sequence[int]) -> dic
 
 
 def unique_image_inputs(inputs: dict, groups: torch.Tensor, config) -> tuple[dict, torch.Tensor]:
-    """Image extras of one row per group, and for every feature entry of the batch (an image, or an
-    InternVL tile) the index of its entry in the unique extras' features.
+    """Image extras of one row per group, and for every feature entry of the batch (an image, an
+    InternVL tile, an Idefics3 sub-image) the index of its entry in the unique extras' features.
 
     Raises ``ValueError`` naming the rows when two rows of one group carry different images.
     """
     per_row = split_image_inputs(inputs, config)
     counts = num_images_per_sample(inputs, config)
-    units = features_per_image(inputs, config)
-    offsets = [0, *torch.tensor(counts, dtype=torch.long).cumsum(0).tolist()]
-    row_units = [sum(units[offsets[i] : offsets[i + 1]]) for i in range(len(counts))]
+    row_units = features_per_sample(inputs, config)
     first: dict[int, int] = {}
     for i, g in enumerate(groups.tolist()):
         first.setdefault(g, i)

@@ -2,9 +2,9 @@
 
 Lightning's ``FSDPStrategy`` needs the classes to wrap at construction, before any model exists, so a
 config would have to name ``Qwen2_5_VLDecoderLayer`` (and every other family's) by hand. The family
-registry names each family's decoder layer and vision block (``Family.layer_classes``, the blocks
-of transformers' ``_no_split_modules`` that must stay whole); this strategy finds the family of the
-module it is given, so ``trainer=fsdp`` fits every model config.
+registry names each family's decoder layer and vision block (``Family.layer_classes``), and the
+models' own ``_no_split_modules`` add those of whatever backbone a checkpoint uses; this strategy
+reads both from the module it is given, so ``trainer=fsdp`` fits every model config.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from lightning_vlm.models.families import FAMILIES, family_of
 
 
 def layer_classes(module: torch.nn.Module) -> set[type[torch.nn.Module]]:
-    """The classes of the decoder layers and vision blocks inside ``module``, as its family's record
-    (``families.py``) names them."""
+    """The classes of the blocks inside ``module`` that FSDP wraps one by one: its family's decoder
+    layer and vision block (``Family.layer_classes``) and whatever its transformers models list in
+    ``_no_split_modules`` (a checkpoint's text backbone may differ from the tiny one: LLaVA-Next on
+    Mistral, InternVL on Qwen3)."""
     configs = [
         sub.config
         for sub in module.modules()
@@ -33,11 +35,19 @@ def layer_classes(module: torch.nn.Module) -> set[type[torch.nn.Module]]:
             "trainer.strategy.auto_wrap_policy (a set of layer classes) instead of wrap_layers=true"
         )
     names = set(family_of(configs[0]).layer_classes)
+    for sub in module.modules():
+        declared = getattr(sub, "_no_split_modules", None)
+        if isinstance(declared, (list, tuple, set)):
+            names.update(declared)
     classes = {type(sub) for sub in module.modules() if type(sub).__name__ in names}
-    if not classes:
+    decoders = {
+        type(layer) for sub in module.modules() if isinstance(sub, torch.nn.ModuleList) for layer in sub
+    }
+    if not classes & decoders:
         raise ValueError(
-            f"none of {sorted(names)} (the {configs[0].model_type} record's layer_classes) is inside "
-            f"{type(module).__name__}: fix the record in lightning_vlm/models/families.py"
+            f"none of {sorted(names)} (the {configs[0].model_type} record's layer_classes and the models' "
+            f"_no_split_modules) is a layer inside {type(module).__name__}: add its decoder layer to the "
+            "record in lightning_vlm/models/families.py"
         )
     return classes
 

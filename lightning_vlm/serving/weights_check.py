@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+from lightning_vlm.models.families import FAMILIES
 from lightning_vlm.models.weight_names import hf_to_vllm_names
 
 Shapes = dict[str, tuple[int, ...]]
@@ -52,7 +53,8 @@ def reference_shapes(model_dir: str | os.PathLike) -> Shapes:
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     model_type = config.get("model_type", "")
     names = dict(shapes)
-    names.update(hf_to_vllm_names(model_type, shapes.items()))
+    if model_type in FAMILIES:  # vLLM's names where the family renames; any other model serves as saved
+        names.update(hf_to_vllm_names(model_type, shapes.items()))
     embed = next((s for n, s in shapes.items() if n.endswith("embed_tokens.weight")), None)
     if embed is not None and "lm_head.weight" not in names:
         names["lm_head.weight"] = embed
