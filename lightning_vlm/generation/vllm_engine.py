@@ -47,15 +47,15 @@ def _family_cpu_dtype(model_path: str | os.PathLike | None) -> str:
         return "float32"
     from transformers import AutoConfig
 
-    from lightning_vlm.models.families import FAMILIES, family_of
+    from lightning_vlm.models.families import FAMILIES
 
     try:
         config = AutoConfig.from_pretrained(os.fspath(model_path))
     except OSError:  # not readable here (an uncached hub id): vLLM's own load reports it
         return "float32"
-    known = getattr(config, "model_type", None) in FAMILIES
     # A model outside the registry can still be served; only the trainer needs its family.
-    return family_of(config).vllm_cpu_dtype if known else "float32"
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    return family.vllm_cpu_dtype if family else "float32"
 
 
 def has_cuda() -> bool:

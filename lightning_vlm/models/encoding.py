@@ -18,7 +18,8 @@ from collections.abc import Sequence
 import torch
 from PIL import Image
 
-from .image_tokens import NUM_IMAGES_KEY, image_token_id
+from .family_rules import image_token_id
+from .image_tokens import NUM_IMAGES_KEY
 
 IGNORE_INDEX = -100
 TYPE_ID_KEYS = ("token_type_ids", "mm_token_type_ids")

@@ -69,11 +69,6 @@ class Family:
     # vLLM on CPU has no float32 kernel for some layers (Qwen3.5's Gated DeltaNet): the dtype it needs.
     vllm_cpu_dtype: str = "float32"
 
-    @property
-    def images_per_row_axis(self) -> bool:
-        """Whether images sit along dim 1 of a per-sample row (not one unit axis for the batch)."""
-        return self.layout == "sample_rows"
-
 
 def _qwen(model_type: str, decoder: str, vision: str, **extra) -> Family:
     return Family(

@@ -16,8 +16,6 @@ import torch
 from .families import IMAGE_KEYS, family_of
 from .family_rules import image_token_id, llava_next_tiles, placeholder_runs, real_idefics_images
 
-__all__ = ["IMAGE_KEYS", "image_token_id"]
-
 # Per-token keys that must be padded, concatenated and sliced exactly like input_ids.
 TOKEN_KEYS = (
     "input_ids",

@@ -55,6 +55,16 @@ _QWEN3_SIZE = {"shortest_edge": 64 * 64, "longest_edge": 128 * 128}
 _QWEN3_PATCHES = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2}
 _QWEN3_IMAGE = {**_QWEN3_PATCHES, "size": _QWEN3_SIZE, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
 _QWEN3_PARTS = {"video_processor": ("Qwen3VLVideoProcessor", {**_QWEN3_PATCHES, "size": _QWEN3_SIZE})}
+# Qwen3-VL and Qwen3.5 share tokens, template and processors (and so the 16 tokens of a 112x112 image).
+_QWEN3_PROCESSING = {
+    "special": QWEN_SPECIAL,
+    "extra_special": QWEN_EXTRA,
+    "chat_template": QWEN_TEMPLATE,
+    "image_processor": ("Qwen2VLImageProcessor", _QWEN3_IMAGE),
+    "processor": ("Qwen3VLProcessor", {}),
+    "processor_parts": _QWEN3_PARTS,
+    "expected_image_tokens": 16,
+}
 
 _GEMMA4_PATCHES = {"patch_size": 8, "max_soft_tokens": 70, "pooling_kernel_size": 2}
 
@@ -76,13 +86,7 @@ NEW_RECIPES: dict[str, Recipe] = {
             "vision_config": {**_QWEN3_VISION, "deepstack_visual_indexes": [0]},
             "tie_word_embeddings": False,
         },
-        special=QWEN_SPECIAL,
-        extra_special=QWEN_EXTRA,
-        chat_template=QWEN_TEMPLATE,
-        image_processor=("Qwen2VLImageProcessor", _QWEN3_IMAGE),
-        processor=("Qwen3VLProcessor", {}),
-        processor_parts=_QWEN3_PARTS,
-        expected_image_tokens=16,
+        **_QWEN3_PROCESSING,
     ),
     "qwen3_5": Recipe(
         model_type="qwen3_5",
@@ -108,14 +112,8 @@ NEW_RECIPES: dict[str, Recipe] = {
             "vision_config": _QWEN3_VISION,
             "tie_word_embeddings": False,
         },
-        special=QWEN_SPECIAL,
-        extra_special=QWEN_EXTRA,
-        chat_template=QWEN_TEMPLATE,
-        image_processor=("Qwen2VLImageProcessor", _QWEN3_IMAGE),
-        processor=("Qwen3VLProcessor", {}),
-        processor_parts=_QWEN3_PARTS,
+        **_QWEN3_PROCESSING,
         split_regex=PRETOKENIZE_REGEX,
-        expected_image_tokens=16,
     ),
     "gemma4": Recipe(
         model_type="gemma4",
