@@ -178,6 +178,12 @@ EQUIVALENCE: dict[str, list[str]] = {
     "sft": ["method=sft", "data.train=${oc.env:DDP_TEST_DATA}/sft.jsonl"],
     "dpo": ["method=dpo", "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl"],
     "mpo": ["method=mpo", "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl"],
+    # TRL's sft term (mean over every chosen token of the batch): normalised by all ranks' tokens
+    "mpo_token_mean": [
+        "method=mpo",
+        "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl",
+        "method.sft_normalization=token_mean",
+    ],  # fmt: skip
     # reference log-probs computed once, each rank a share of the rows, then exchanged
     "dpo_precomputed": [
         "method=dpo",

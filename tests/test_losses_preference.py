@@ -112,6 +112,31 @@ def test_sft_is_per_example_mean_nll_of_chosen():
     torch.testing.assert_close(sft_nll_loss(t(-1.0, -4.0, -3.0), torch.tensor([2, 4, 0])), t(0.5, 1.0, 3.0))
 
 
+def test_sft_token_mean_is_trls_mean_over_all_chosen_tokens():
+    # TRL: Σ -logp⁺ / Σ |y⁺| = (2 + 9) / (1 + 3) = 2.75; per example it is mean(2, 3) = 2.5.
+    logps, lengths = t(-2.0, -9.0), torch.tensor([1, 3])
+    assert sft_nll_loss(logps, lengths).mean().item() == pytest.approx(2.5)
+    assert sft_nll_loss(logps, lengths, "token_mean").mean().item() == pytest.approx(2.75)
+    # A normaliser from outside (all ranks' tokens): Σ_local -logp⁺ / num_tokens.
+    assert sft_nll_loss(logps, lengths, "token_mean", num_tokens=11.0).mean().item() == pytest.approx(1.0)
+    # Equal lengths: both normalisations agree.
+    same = torch.tensor([2, 2])
+    torch.testing.assert_close(sft_nll_loss(logps, same, "token_mean"), sft_nll_loss(logps, same))
+
+
+def test_mpo_with_token_mean_differs_only_in_the_sft_term():
+    inp = make_inputs()  # chosen log-probs -1, -4 over 2 and 4 tokens
+    per_example, m1 = weighted_preference_loss(["sigmoid", "sft"], [0.8, 1.0], inp, beta=0.5)
+    token_mean, m2 = weighted_preference_loss(
+        ["sigmoid", "sft"], [0.8, 1.0], inp, beta=0.5, sft_normalization="token_mean"
+    )
+    assert m1["loss/sft"].item() == pytest.approx((0.5 + 1.0) / 2)
+    assert m2["loss/sft"].item() == pytest.approx(5.0 / 6.0)
+    assert (token_mean - per_example).item() == pytest.approx(5.0 / 6.0 - 0.75)
+    with pytest.raises(ValueError, match="sft_normalization must be one of"):
+        weighted_preference_loss(["sft"], None, inp, sft_normalization="tokens")
+
+
 @pytest.mark.parametrize("beta", [0.1, 0.5, 2.0])
 def test_equal_log_probs(beta: float):
     zero = t(0.0, 0.0)

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "hinge", "bco_pair", "robust", "sft")
+# How the `sft` term averages: per pair, then over pairs (ours), or over all chosen tokens (TRL's).
+SFT_NORMALIZATIONS: tuple[str, ...] = ("per_example", "token_mean")
 
 
 @dataclass
@@ -54,7 +56,9 @@ def sigmoid_loss(margin: Tensor, beta: float, label_smoothing: float = 0.0) -> T
     """DPO (Rafailov et al. 2023) with cDPO smoothing ε: -(1-ε)·logσ(βΔ) - ε·logσ(-βΔ).
 
     ε > 0 treats each label as flipped with probability ε (conservative DPO, Mitchell 2023); the
-    loss then has its minimum at a finite margin instead of pushing Δ to infinity.
+    loss then has its minimum at a finite margin instead of pushing Δ to infinity. TRL 1.16's
+    ``sigmoid`` ignores ``label_smoothing`` (its cDPO is gone; ``robust`` is its only smoothed loss),
+    so with ε > 0 our ``sigmoid`` is cDPO, not TRL's plain DPO; ε = 0 (the default) is identical.
     """
     logits = beta * margin
     # logsigmoid, not log(sigmoid(x)): sigmoid underflows to 0 at x ≈ -100 in float32 and log(0) = -inf.
@@ -100,13 +104,27 @@ def bco_pair_loss(
     return -F.logsigmoid(beta * chosen_logratios - delta) - F.logsigmoid(-(beta * rejected_logratios - delta))
 
 
-def sft_nll_loss(policy_chosen_logps: Tensor, chosen_lengths: Tensor) -> Tensor:
-    """NLL of the chosen answer, mean over its tokens: -logp⁺ / |y⁺| per example (MPO's generation loss).
+def sft_nll_loss(
+    policy_chosen_logps: Tensor,
+    chosen_lengths: Tensor,
+    normalization: str = "per_example",
+    num_tokens: float | Tensor | None = None,
+) -> Tensor:
+    """NLL of the chosen answers (MPO's generation loss), as a [B] tensor whose mean is the term.
 
-    Per-example mean (TRL averages over all chosen tokens of the batch instead) so that every pair
-    weighs the same, as in the other terms. Empty answers count as one token to avoid 0/0.
+    "per_example" (default): -logp⁺_i / |y⁺_i|, each pair's token mean, so every pair weighs the same
+    as in the other terms and the value does not depend on which pairs share a batch.
+    "token_mean" (TRL's ``sft``): the batch mean is Σ_i -logp⁺_i / Σ_i |y⁺_i|, so long answers weigh
+    more; returned as -logp⁺_i · B / ``num_tokens`` (default Σ_i |y⁺_i|; pass the count over all
+    ranks, see ``DPO``, for N processes to match one). Empty answers count as one token (no 0/0).
     """
-    return -policy_chosen_logps / chosen_lengths.to(policy_chosen_logps.dtype).clamp(min=1.0)
+    if normalization not in SFT_NORMALIZATIONS:
+        raise ValueError(f"sft_normalization must be one of {SFT_NORMALIZATIONS}, got {normalization!r}")
+    lengths = chosen_lengths.to(policy_chosen_logps.dtype)
+    if normalization == "per_example":
+        return -policy_chosen_logps / lengths.clamp(min=1.0)
+    tokens = lengths.sum().clamp(min=1.0) if num_tokens is None else num_tokens
+    return -policy_chosen_logps * policy_chosen_logps.shape[0] / tokens
 
 
 class RunningMean(nn.Module):
@@ -177,13 +195,18 @@ def weighted_preference_loss(
     beta: float = 0.1,
     label_smoothing: float = 0.0,
     bco_delta: float | Tensor = 0.0,
+    sft_normalization: str = "per_example",
+    sft_num_tokens: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Σ_k w_k · mean_B(loss_k) over TRL-style loss types, with detached TRL-named metrics.
 
     Only ipo sees length-averaged log-probs; TRL averages every term once ipo is in the list, which
     silently changes the other losses' scale, so we keep summed log-probs everywhere else.
+    ``sft_normalization`` and ``sft_num_tokens``: see ``sft_nll_loss``.
     """
     weights = _validate(loss_types, loss_weights, beta, label_smoothing)
+    if sft_normalization not in SFT_NORMALIZATIONS:
+        raise ValueError(f"sft_normalization must be one of {SFT_NORMALIZATIONS}, got {sft_normalization!r}")
     shape = inputs.policy_chosen_logps.shape
     for name in ("policy_rejected_logps", "ref_chosen_logps", "ref_rejected_logps"):
         if getattr(inputs, name).shape != shape:
@@ -198,7 +221,9 @@ def weighted_preference_loss(
     metrics: dict[str, Tensor] = {}
     total = torch.zeros((), dtype=margin.dtype, device=margin.device)
     for loss_type, weight in zip(loss_types, weights, strict=True):
-        per_example = per_example_loss(loss_type, inputs, beta, label_smoothing, bco_delta)
+        per_example = per_example_loss(
+            loss_type, inputs, beta, label_smoothing, bco_delta, sft_normalization, sft_num_tokens
+        )
         component = per_example.mean()
         total = total + weight * component
         metrics[f"loss/{loss_type}"] = component.detach()
@@ -221,6 +246,8 @@ def per_example_loss(
     beta: float,
     label_smoothing: float = 0.0,
     bco_delta: float | Tensor = 0.0,
+    sft_normalization: str = "per_example",
+    sft_num_tokens: float | Tensor | None = None,
 ) -> Tensor:
     """The [B] loss of one loss type (the only string switch): DPO's terms and Online DPO's loss."""
     chosen_logratios = inputs.policy_chosen_logps - inputs.ref_chosen_logps
@@ -246,5 +273,7 @@ def per_example_loss(
     if loss_type == "bco_pair":
         return bco_pair_loss(chosen_logratios, rejected_logratios, beta, bco_delta)
     if loss_type == "sft":
-        return sft_nll_loss(inputs.policy_chosen_logps, inputs.chosen_lengths)
+        return sft_nll_loss(
+            inputs.policy_chosen_logps, inputs.chosen_lengths, sft_normalization, sft_num_tokens
+        )
     raise ValueError(f"unknown preference loss type {loss_type!r}; valid types are {list(LOSS_TYPES)}")

@@ -41,7 +41,8 @@ def chosen_answers(rows: list[dict]) -> list[str]:
 
 
 class DPO(L.LightningModule):
-    """DPO with TRL's knobs: ``loss_type`` list, ``loss_weights``, ``beta``, ``label_smoothing``."""
+    """DPO with TRL's knobs: ``loss_type`` list, ``loss_weights``, ``beta``, ``label_smoothing``; and
+    ``sft_normalization`` for the ``sft`` term ("per_example", ours, or TRL's "token_mean")."""
 
     def __init__(
         self,
@@ -52,6 +53,7 @@ class DPO(L.LightningModule):
         label_smoothing: float = 0.0,
         loss_type: Sequence[str] = ("sigmoid",),
         loss_weights: Sequence[float] | None = None,
+        sft_normalization: str = "per_example",
         precompute_ref_logps: bool = False,
         ref_cache_dir: str | None = None,
         one_vision_pass: bool = True,
@@ -75,8 +77,9 @@ class DPO(L.LightningModule):
         # Fail at construction, naming the setting, rather than at the first training step.
         zeros = torch.zeros(1)
         _, probe = weighted_preference_loss(
-            loss_type, loss_weights, PreferenceInputs(*([zeros] * 6)), beta, label_smoothing
-        )
+            loss_type, loss_weights, PreferenceInputs(*([zeros] * 6)), beta, label_smoothing,
+            sft_normalization=sft_normalization,
+        )  # fmt: skip
         self.metric_names = [*probe, "loss"]
         self.vlm = vlm
         self.ref: ReferenceModel | None = ReferenceModel(vlm)
@@ -173,9 +176,16 @@ class DPO(L.LightningModule):
             # δ tracks the mean implicit reward over all ranks' pairs seen so far (TRL's RunningMoments).
             rewards = hp.beta * torch.cat([chosen - ref_chosen, rejected - ref_rejected]).detach()
             self.bco_delta.update(gather_cat(rewards))
+        sft_tokens = None
+        if train and hp.sft_normalization == "token_mean":
+            # TRL's token mean over every rank's chosen tokens: the loss is rescaled by pairs below, so
+            # the normaliser carries the inverse of that factor (see losses.preference.sft_nll_loss).
+            pairs = torch.tensor(float(len(rows)), device=chosen.device)
+            sft_tokens = mean_normalizer(chosen_len.sum()) * pairs / mean_normalizer(pairs)
         loss, metrics = weighted_preference_loss(
-            hp.loss_type, hp.loss_weights, inputs, hp.beta, hp.label_smoothing, self.bco_delta.mean
-        )
+            hp.loss_type, hp.loss_weights, inputs, hp.beta, hp.label_smoothing, self.bco_delta.mean,
+            hp.sft_normalization, sft_tokens,
+        )  # fmt: skip
         if train:
             # Every term is a mean over pairs: rescale this rank's mean so that DDP's gradient average
             # is the mean over all ranks' pairs, also when ranks hold different numbers of them.
