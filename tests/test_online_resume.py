@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers import compose_train
 from lightning_vlm.training import train
 
 
-def _run(tmp_path, warm: str, steps: int, ckpt_path: str | None = None, save: str | None = None):
+# DAPO's dynamic sampling: pools of 4 prompts in 2 rounds (extra rounds draw from their own seeds)
+DYNAMIC = ["method.dynamic_sampling.enabled=true", "method.dynamic_sampling.max_num_gen_batches=2",
+           "data.batch_size=4", "data.synthetic.num_train=8"]  # fmt: skip
+
+
+def _run(tmp_path, warm: str, steps: int, ckpt_path: str | None = None, save: str | None = None,
+         extra: tuple[str, ...] = ()):  # fmt: skip
     cfg = compose_train(
         [
             "method=grpo",
@@ -27,6 +34,7 @@ def _run(tmp_path, warm: str, steps: int, ckpt_path: str | None = None, save: st
             "data.synthetic.num_train=4",
             "data.shuffle=false",
             *([f"ckpt_path={ckpt_path}"] if ckpt_path else []),
+            *extra,
         ],
         tmp_path,
     )
@@ -35,6 +43,7 @@ def _run(tmp_path, warm: str, steps: int, ckpt_path: str | None = None, save: st
     if save:
         out["trainer"].save_checkpoint(save)
     params = {n: p.detach().clone() for n, p in out["module"].vlm.named_parameters()}
+    params["completions_generated"] = torch.tensor(out["module"].completions_generated)
     return params, seen
 
 
@@ -55,15 +64,20 @@ def _train_recording(cfg, seen):
         OnlineRL.score = original
 
 
-def test_resume_matches_an_uninterrupted_run(tmp_path, sft_warm_start):
+@pytest.mark.parametrize("dynamic", [False, True], ids=["grpo", "dynamic_sampling"])
+def test_resume_matches_an_uninterrupted_run(tmp_path, sft_warm_start, dynamic):
     # train() loads checkpoints with weights_only=True: hparams are plain values (instantiate _convert_="all")
     warm = sft_warm_start()
     ckpt = str(tmp_path / "mid.ckpt")
+    extra = tuple(DYNAMIC) if dynamic else ()
     # Two optimizer steps per generation: 4 steps = 2 generations (one epoch), then one more generation.
-    _, first = _run(tmp_path / "a", warm, 4, save=ckpt)
-    resumed, second = _run(tmp_path / "b", warm, 6, ckpt_path=ckpt)
-    straight, whole = _run(tmp_path / "c", warm, 6)
-    assert len(first) == 2 and len(second) == 1 and len(whole) == 3
+    _, first = _run(tmp_path / "a", warm, 4, save=ckpt, extra=extra)
+    resumed, second = _run(tmp_path / "b", warm, 6, ckpt_path=ckpt, extra=extra)
+    straight, whole = _run(tmp_path / "c", warm, 6, extra=extra)
+    if not dynamic:
+        assert len(first) == 2 and len(second) == 1 and len(whole) == 3
+    else:  # each generation runs one or two rounds
+        assert len(first) >= 2 and len(second) >= 1 and len(whole) == len(first) + len(second)
     assert first + second == whole, "a resumed run must draw the same prompts and completions"
     for name, value in straight.items():
         torch.testing.assert_close(resumed[name], value, atol=1e-6, rtol=1e-5, msg=name)

@@ -31,19 +31,20 @@ import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
-from lightning_vlm.generation.base import Generator, Rollouts, SamplingOptions, SamplingSettings, seeded
+from lightning_vlm.generation.base import Generator, SamplingOptions, SamplingSettings, seeded
 from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.losses.importance import rollout_correction, split_trl_mode
 from lightning_vlm.methods.common import clip_gradients, configure_optimizers, greedy_answer_hits
 from lightning_vlm.methods.completions import CompletionRecorder, rollout_samples
+from lightning_vlm.methods.dynamic_sampling import DynamicSampling
 from lightning_vlm.methods.online_metrics import MissingRewardWarning, log_synced, rollout_metrics
+from lightning_vlm.methods.online_sampling import RolloutSampling
 from lightning_vlm.methods.rollout_buffer import (
     RolloutBatch,
     Step,
     check_rollout_counts,
     global_counts,
     index_chunks,
-    reward_columns,
 )
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
@@ -52,7 +53,7 @@ from lightning_vlm.parallel.steps import check_clipping, check_micro_batches, no
 from lightning_vlm.rewards.scoring import RewardScorer
 
 
-class OnlineRL(L.LightningModule):
+class OnlineRL(RolloutSampling):
     """Base of GRPO, RLOO and Online DPO: subclasses give ``compute_advantages`` and ``loss``."""
 
     def __init__(
@@ -78,11 +79,12 @@ class OnlineRL(L.LightningModule):
         val_num_generations: int = 4,
         val_seed: int = 1234,
         seed: int | None = 0,
+        dynamic_sampling: DynamicSampling | Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         # Only plain values in hparams: checkpoints then load with torch.load(weights_only=True).
         self.save_hyperparameters(ignore=["vlm", "reward_model", "optimizer", "scheduler", "sampling",
-                                          "reward_funcs"])  # fmt: skip
+                                          "reward_funcs", "dynamic_sampling"])  # fmt: skip
         self.automatic_optimization = False
         # Kept as attributes too: hparams drop what cannot be pickled (a lambda optimizer factory).
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
@@ -90,10 +92,13 @@ class OnlineRL(L.LightningModule):
         check_rollout_counts(num_generations, num_iterations, steps_per_generation, micro_batch_size, beta)
         self.is_level, self.is_mode = split_trl_mode(vllm_importance_sampling_mode)
         self.vlm, self.sampling = vlm, sampling
+        self.dynamic_sampling = DynamicSampling.of(dynamic_sampling)  # type: ignore[arg-type]
+        self.completions_generated = 0  # over all ranks, checkpointed (online_sampling)
         functions = list(reward_funcs) + ([reward_model] if reward_model is not None else [])
         self.scorer = RewardScorer(functions, reward_weights)
         self.hparams.update(sampling=asdict(sampling), reward_funcs=list(self.scorer.names),
-                            reward_weights=self.scorer.weights.tolist())  # fmt: skip
+                            reward_weights=self.scorer.weights.tolist(),
+                            dynamic_sampling=self.dynamic_sampling.describe())  # fmt: skip
         self.reward_model = reward_model
         # Replaceable by a callback (vLLM); HF generate samples from the training weights themselves.
         self.generator: Generator = HFGenerator(vlm)
@@ -129,13 +134,11 @@ class OnlineRL(L.LightningModule):
     # ---- the loop ----------------------------------------------------------------------------------------
     def training_step(self, rows: list[dict], batch_idx: int) -> None:
         hp = self.hparams
-        # 1. Sample G completions per prompt with the current weights; under data parallelism each rank
-        #    samples all G of its own prompts (a group never spans ranks). The sampling RNG is seeded
-        #    from (seed, global_step, rank), so a resumed run regenerates what the uninterrupted one drew.
-        with seeded(self.generator, self.rollout_seed(), self.device):
-            rollouts = self.generator.generate(rows, hp.num_generations, self.sampling)
-        # 2. Score them; None rewards stay NaN (out of group statistics, advantage 0).
-        per_function, _ = self.score(rollouts)
+        # 1-2. Sample G completions per prompt with the current weights and score them (None rewards stay
+        #    NaN: out of group statistics, advantage 0); with dynamic sampling, in rounds until enough
+        #    groups pass the filter. Each rank samples all G of its own prompts (a group never spans
+        #    ranks), seeded from (seed, global_step, rank, round): a resume redraws the same rollouts.
+        rollouts, per_function = self.sample(rows)
         batch = RolloutBatch.build(
             self.vlm, rollouts, per_function, self.scorer.total(per_function), hp.mask_truncated_completions
         ).to(self.device)
@@ -229,24 +232,8 @@ class OnlineRL(L.LightningModule):
             "sequences": torch.tensor(len(index), device=index.device),
         }
 
-    def rollout_seed(self) -> int | None:
-        """The sampling seed of this generation: (seed, global_step, rank); rank 0 of one process keeps
-        the single-process value."""
-        seed, trainer = self.hparams.seed, self.trainer
-        if seed is None:
-            return None
-        return (seed * 1_000_003 + trainer.global_step) * trainer.world_size + trainer.global_rank
-
     def on_policy_update(self) -> None:
         """Called after every optimizer step: the policy's weights changed (hook for weight syncing)."""
-
-    def sampler_is_policy(self, rollouts: Rollouts) -> bool:
-        """Sampled from the training weights themselves (no IS correction): as the rollouts or generator say."""
-        return bool(rollouts.extras.get("is_policy", self.generator.is_policy))
-
-    def score(self, rollouts: Rollouts) -> tuple[torch.Tensor, list[str]]:
-        """[N, F] rewards (NaN for None); each function gets the completions and every row column."""
-        return self.scorer(rollouts.completion_texts, reward_columns(rollouts))
 
     def frozen_logps(self, batch: RolloutBatch, reference: bool) -> torch.Tensor:
         """Per-token log-probs [N, T] of the completions under the current (or reference) weights."""

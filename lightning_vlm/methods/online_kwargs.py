@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypedDict
 
 from lightning_vlm.generation.base import SamplingOptions
+from lightning_vlm.methods.dynamic_sampling import DynamicSampling
 
 
 class OnlineKwargs(TypedDict, total=False):
@@ -36,3 +37,4 @@ class OnlineKwargs(TypedDict, total=False):
     val_num_generations: int
     val_seed: int
     seed: int | None
+    dynamic_sampling: DynamicSampling | Mapping[str, Any] | None

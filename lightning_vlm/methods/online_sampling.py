@@ -1,0 +1,82 @@
+"""The sampling half of the online loop: seeds, generation rounds (dynamic sampling), scoring, counts.
+
+Mixed into :class:`~lightning_vlm.methods.online.OnlineRL`, which owns the attributes read here
+(``generator``, ``sampling``, ``scorer``, ``dynamic_sampling``). Every generation round is seeded from
+(seed, global_step, rank, round), so a resumed run redraws what the uninterrupted one drew; the
+number of completions generated so far (over all ranks) travels in the checkpoint, so a resumed
+run's count continues too (the dynamic-sampling benchmark compares these counts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+
+from lightning_vlm.generation.base import Generator, Rollouts, SamplingSettings, seeded
+from lightning_vlm.methods.dynamic_sampling import DynamicSampling, collect
+from lightning_vlm.methods.online_metrics import log_synced
+from lightning_vlm.methods.rollout_buffer import reward_columns
+from lightning_vlm.parallel.collectives import all_reduce_sum
+from lightning_vlm.rewards.scoring import RewardScorer
+
+# Seed offset between generation rounds of one step: far beyond any step count, so no two
+# (step, rank, round) share a seed, and round 0 keeps the seed of runs without dynamic sampling.
+_ROUND_STRIDE = 1_000_000_007
+_COUNTER_KEY = "lightning_vlm/completions_generated"
+
+
+class RolloutSampling(L.LightningModule):
+    """Generation for the online methods: ``sample(pool)`` -> the step's rollouts and [N, F] rewards."""
+
+    generator: Generator
+    sampling: SamplingSettings
+    scorer: RewardScorer
+    dynamic_sampling: DynamicSampling
+    completions_generated: int
+
+    def sample(self, pool: list[dict]) -> tuple[Rollouts, torch.Tensor]:
+        """Completions for the step's prompt ``pool`` (all of it, or DAPO's filtered rounds) and their rewards."""
+
+        def generate(rows: list[dict], round_index: int) -> Rollouts:
+            with seeded(self.generator, self.rollout_seed(round_index), self.device):
+                return self.generator.generate(rows, self.hparams.num_generations, self.sampling)
+
+        def everyone_done(done: bool) -> bool:
+            # A collective: all ranks run the same rounds (FSDP's generation forwards must match).
+            return all_reduce_sum(torch.tensor(float(not done), device=self.device)).item() == 0
+
+        rollouts, per_function, counts = collect(
+            pool, self.dynamic_sampling, generate, lambda r: self.score(r)[0], self.scorer.total,
+            everyone_done,
+        )  # fmt: skip
+        generated = counts.get("generated", float(len(rollouts)))
+        self.completions_generated += int(all_reduce_sum(torch.tensor(generated, device=self.device)).item())
+        values = {f"train/dynamic_sampling/{k}": torch.tensor(v) for k, v in counts.items()}
+        values["train/completions_generated"] = torch.tensor(float(self.completions_generated))
+        log_synced(self, values, len(pool))
+        return rollouts, per_function
+
+    def rollout_seed(self, round_index: int = 0) -> int | None:
+        """The sampling seed of a generation round: (seed, global_step, rank, round); rank 0 of one
+        process keeps the single-process value."""
+        seed, trainer = self.hparams.seed, self.trainer
+        if seed is None:
+            return None
+        base = (seed * 1_000_003 + trainer.global_step) * trainer.world_size + trainer.global_rank
+        return base + round_index * _ROUND_STRIDE
+
+    def sampler_is_policy(self, rollouts: Rollouts) -> bool:
+        """Sampled from the training weights themselves (no IS correction): as the rollouts or generator say."""
+        return bool(rollouts.extras.get("is_policy", self.generator.is_policy))
+
+    def score(self, rollouts: Rollouts) -> tuple[torch.Tensor, list[str]]:
+        """[N, F] rewards (NaN for None); each function gets the completions and every row column."""
+        return self.scorer(rollouts.completion_texts, reward_columns(rollouts))
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[_COUNTER_KEY] = self.completions_generated
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.completions_generated = int(checkpoint.get(_COUNTER_KEY, 0))

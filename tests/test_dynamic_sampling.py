@@ -1,0 +1,148 @@
+"""DAPO's dynamic sampling: the filter, the rounds, filling, counts, settings errors, and exact resume."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from lightning_vlm.generation.base import Rollouts
+from lightning_vlm.methods.dynamic_sampling import (
+    DynamicSampling,
+    collect,
+    concat_rollouts,
+    select_groups,
+    zero_std_filter,
+)
+
+G = 2
+
+
+def t(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def test_zero_std_filter_keeps_groups_whose_valid_rewards_differ():
+    empty = torch.zeros(3, 0)
+    assert zero_std_filter(t(1.0, 0.0, 1.0), empty)
+    assert not zero_std_filter(t(1.0, 1.0, 1.0), empty)  # all right: no signal
+    assert not zero_std_filter(t(0.0, 0.0), empty)  # all wrong
+    assert not zero_std_filter(t(1.0, float("nan"), float("nan")), empty)  # one valid reward: no std
+    assert zero_std_filter(t(1.0, float("nan"), 0.5), empty)
+
+
+def _rollouts(rows: list[dict]) -> Rollouts:
+    """G completions per row whose text is the row's reward pattern (e.g. "10" = rewards 1, 0)."""
+    texts = [ch for r in rows for ch in r["pattern"]]
+    return Rollouts(
+        rows=rows,
+        completion_ids=[[i] for i in range(len(texts))],
+        completion_texts=texts,
+        truncated=[False] * len(texts),
+        num_generations=G,
+        logprobs=[[-0.5] for _ in texts],
+    )
+
+
+def _collect(patterns: list[str], rounds: int, filter_="zero_std", enabled=True, everyone=None):
+    pool = [{"pattern": p, "id": i} for i, p in enumerate(patterns)]
+    calls: list[tuple[list[int], int]] = []
+
+    def generate(rows, round_index):
+        calls.append(([r["id"] for r in rows], round_index))
+        return _rollouts(rows)
+
+    def score(rollouts):
+        return torch.tensor([[float(c)] for c in rollouts.completion_texts])
+
+    settings = DynamicSampling(enabled=enabled, filter=filter_, max_num_gen_batches=rounds)
+    done = everyone or (lambda d: d)
+    rollouts, per_function, counts = collect(pool, settings, generate, score, lambda p: p.sum(-1), done)
+    return rollouts, per_function, counts, calls
+
+
+def test_rounds_stop_once_a_round_worth_of_groups_passes():
+    # Pool of 6 prompts in 3 rounds of 2; round 0 keeps one group ("10"), round 1 another: stop there.
+    rollouts, per_function, counts, calls = _collect(["10", "11", "00", "01", "11", "10"], rounds=3)
+    assert calls == [([0, 1], 0), ([2, 3], 1)]
+    assert [r["id"] for r in rollouts.rows] == [0, 3]
+    assert rollouts.completion_texts == ["1", "0", "0", "1"]
+    assert per_function.flatten().tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert rollouts.logprobs == [[-0.5]] * 4
+    assert counts == {"rounds": 2.0, "generated": 8.0, "groups_kept": 2.0, "groups_filtered": 2.0,
+                      "groups_filled": 0.0}  # fmt: skip
+
+
+def test_a_used_up_pool_fills_with_the_latest_filtered_groups():
+    rollouts, per_function, counts, calls = _collect(["11", "00", "10", "11"], rounds=2)
+    assert len(calls) == 2
+    # kept "10" (id 2) first, then the latest filtered group (id 3): the step keeps its size
+    assert [r["id"] for r in rollouts.rows] == [2, 3]
+    assert per_function.flatten().tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert counts["groups_filled"] == 1.0 and counts["groups_kept"] == 1.0
+
+
+def test_extra_kept_groups_beyond_a_round_are_dropped_in_order():
+    rollouts, _, counts, calls = _collect(["10", "11", "01", "10"], rounds=2)
+    assert [r["id"] for r in rollouts.rows] == [0, 2]
+    assert counts["groups_kept"] == 2.0 and len(calls) == 2
+
+
+def test_all_ranks_run_the_same_rounds():
+    # This rank is full after round 0, but another rank is not: it keeps generating with them.
+    answers = iter([False, True])
+    rollouts, _, counts, calls = _collect(
+        ["10", "01", "11", "11"], rounds=2, everyone=lambda d: next(answers)
+    )
+    assert len(calls) == 2 and [r["id"] for r in rollouts.rows] == [0, 1]
+
+
+def test_a_custom_filter_sees_rewards_and_per_function():
+    seen = []
+
+    def keep_if_any_right(rewards, per_function):
+        seen.append(per_function.shape)
+        return bool((rewards > 0).any())
+
+    rollouts, _, counts, _ = _collect(["11", "00", "00", "01"], rounds=2, filter_=keep_if_any_right)
+    assert [r["id"] for r in rollouts.rows] == [0, 3]
+    assert seen == [torch.Size([2, 1])] * 4
+
+
+def test_disabled_generates_the_whole_pool_once():
+    rollouts, _, counts, calls = _collect(["11", "00"], rounds=2, enabled=False)
+    assert calls == [([0, 1], 0)] and counts == {} and len(rollouts) == 4
+
+
+def test_select_and_concat_keep_groups_whole():
+    a = _rollouts([{"pattern": "10", "id": 0}, {"pattern": "01", "id": 1}])
+    b = _rollouts([{"pattern": "11", "id": 2}])
+    both = concat_rollouts([select_groups(a, [1]), b])
+    assert [r["id"] for r in both.rows] == [1, 2] and both.completion_texts == ["0", "1", "1", "1"]
+    assert both.prompt_index == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ({"enabled": True, "max_num_gen_batches": 0}, "max_num_gen_batches must be an integer >= 1"),
+        ({"enabled": True, "filter": "std"}, "filter 'std' is unknown"),
+        ({"enabled": True, "rounds": 2}, r"unknown method.dynamic_sampling keys \['rounds'\]"),
+    ],
+)
+def test_bad_settings_name_the_key(value, match):
+    with pytest.raises(ValueError, match=match):
+        DynamicSampling.of(value)
+
+
+def test_a_pool_that_does_not_split_into_rounds_is_refused():
+    with pytest.raises(ValueError, match="make data.batch_size a multiple of 3"):
+        DynamicSampling(enabled=True, max_num_gen_batches=3).round_size(4)
+
+
+def test_describe_is_plain_values():
+    keep = functools.partial(zero_std_filter)
+    assert DynamicSampling(True, keep, 2).describe() == {
+        "enabled": True, "filter": "zero_std_filter", "max_num_gen_batches": 2}  # fmt: skip
+    assert DynamicSampling().describe()["filter"] == "zero_std"
