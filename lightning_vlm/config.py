@@ -19,13 +19,10 @@ def _tiny_vlm(family: str, start: str = "random") -> str:
         from lightning_vlm.models.tiny import tiny_vlm_path
 
         return str(tiny_vlm_path(family))
-    if start == "sft":
-        from lightning_vlm.models.warm_start import tiny_sft_path
+    from lightning_vlm.models.warm_start import tiny_sft_path
 
-        return str(tiny_sft_path(family))
-    raise ValueError(
-        f"tiny_start={start!r}: expected 'random' (the random tiny model) or 'sft' (its SFT warm start)"
-    )
+    # "sft" (the colour task) or "sft_grounding": SFT warm starts, built once (warm_start.WARM_STARTS).
+    return str(tiny_sft_path(family, start=start))
 
 
 def register_resolvers() -> None:

@@ -7,6 +7,8 @@ gradient, so a step's update equals minus the gradient of the loss the feature's
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from online_helpers import FixedGenerator, fit_steps, sgd
 
@@ -52,6 +54,10 @@ def step_update(path: str, cls, rows: list[dict], rollouts: Rollouts, **kwargs):
     vlm = VLM(path)
     before = {n: p.detach().clone() for n, p in vlm.named_parameters()}
     longest = max(len(c) for c in rollouts.completion_ids)
+    if (
+        "num_candidates" in inspect.signature(cls).parameters
+    ):  # Online DPO: the fixed pairs are its candidates
+        kwargs.setdefault("num_candidates", rollouts.num_generations)
     module = cls(vlm, optimizer=sgd(), max_grad_norm=None, num_generations=rollouts.num_generations,
                  max_completion_length=longest, **kwargs)  # fmt: skip
     module.generator = FixedGenerator(rollouts)

@@ -73,6 +73,19 @@ TRAIN_CASES = [
     (["method=grpo", "method.reward_funcs=[no_such_reward]"], InstantiationException,
      r"'no_such_reward' is neither a built-in reward", CLEAR),
     (["method=dpo", "method.loss_weights=[1.0,2.0]"], InstantiationException, r"loss_weights has 2 entries", CLEAR),
+    # issue 13's settings: TRL silently caps cispo at 0.2, and ignores scale_rewards under GDPO
+    (["method=grpo", "method.loss_type=cispo"], InstantiationException, r"loss_type=cispo caps .* set method\.epsilon_high", NEW),
+    (["method=grpo", "method.multi_objective_aggregation=normalize_then_sum", "method.scale_rewards=batch"],
+     InstantiationException, r"scale_rewards='batch' would be ignored", NEW),
+    (["method=grpo", "method.delta=0.5"], InstantiationException, r"delta \(two-sided clipping\) must be > 1", NEW),
+    (["method=grpo", "method.use_adaptive_entropy=true", "method.entropy_coef=2.0"], InstantiationException,
+     r"entropy_coef 2.0 must lie in \[entropy_coef_min, entropy_coef_max\]", NEW),
+    (["method=grpo", "method.dynamic_sampling={enabled:true,filter:std}"], InstantiationException,
+     r"dynamic_sampling\.filter 'std' is unknown", NEW),
+    (["method=dpo", "method.sft_normalization=tokens"], InstantiationException, r"sft_normalization must be one of", NEW),
+    (["method=kto", "data.batch_size=1"], ValueError, r"KTO's reference point needs batches of >= 2 rows", NEW),
+    (["method=kto", "method.loss_type=sigmoid"], InstantiationException, r"method\.loss_type must be one of \('kto'", NEW),
+    (["method=online_dpo", "method.num_candidates=1"], InstantiationException, r"num_candidates .* must be >= 2", NEW),
 ]  # fmt: skip
 
 

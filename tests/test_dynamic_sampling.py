@@ -62,15 +62,16 @@ def _collect(patterns: list[str], rounds: int, filter_="zero_std", enabled=True,
     return rollouts, per_function, counts, calls
 
 
-def test_rounds_stop_once_a_round_worth_of_groups_passes():
-    # Pool of 6 prompts in 3 rounds of 2; round 0 keeps one group ("10"), round 1 another: stop there.
+def test_rounds_top_up_only_the_missing_groups_and_stop_when_full():
+    # Pool of 6 prompts, up to 3 rounds, 2 groups per step: round 0 keeps one ("10"), so rounds 1 and 2
+    # draw one prompt each ("00" is filtered, "01" kept): then the step is full.
     rollouts, per_function, counts, calls = _collect(["10", "11", "00", "01", "11", "10"], rounds=3)
-    assert calls == [([0, 1], 0), ([2, 3], 1)]
+    assert calls == [([0, 1], 0), ([2], 1), ([3], 2)]
     assert [r["id"] for r in rollouts.rows] == [0, 3]
     assert rollouts.completion_texts == ["1", "0", "0", "1"]
     assert per_function.flatten().tolist() == [1.0, 0.0, 0.0, 1.0]
     assert rollouts.logprobs == [[-0.5]] * 4
-    assert counts == {"rounds": 2.0, "generated": 8.0, "groups_kept": 2.0, "groups_filtered": 2.0,
+    assert counts == {"rounds": 3.0, "generated": 8.0, "groups_kept": 2.0, "groups_filtered": 2.0,
                       "groups_filled": 0.0}  # fmt: skip
 
 
@@ -105,9 +106,9 @@ def test_a_custom_filter_sees_rewards_and_per_function():
         seen.append(per_function.shape)
         return bool((rewards > 0).any())
 
-    rollouts, _, counts, _ = _collect(["11", "00", "00", "01"], rounds=2, filter_=keep_if_any_right)
-    assert [r["id"] for r in rollouts.rows] == [0, 3]
-    assert seen == [torch.Size([2, 1])] * 4
+    rollouts, _, counts, _ = _collect(["11", "00", "01", "00"], rounds=2, filter_=keep_if_any_right)
+    assert [r["id"] for r in rollouts.rows] == [0, 2]  # "11" and, topped up, "01"
+    assert seen == [torch.Size([2, 1])] * 3
 
 
 def test_disabled_generates_the_whole_pool_once():
@@ -136,9 +137,14 @@ def test_bad_settings_name_the_key(value, match):
         DynamicSampling.of(value)
 
 
-def test_a_pool_that_does_not_split_into_rounds_is_refused():
-    with pytest.raises(ValueError, match="make data.batch_size a multiple of 3"):
-        DynamicSampling(enabled=True, max_num_gen_batches=3).round_size(4)
+def test_a_short_last_pool_runs_in_smaller_rounds():
+    assert DynamicSampling(enabled=True, max_num_gen_batches=3).round_size(24) == 8
+    assert DynamicSampling(enabled=True, max_num_gen_batches=3).round_size(16) == 6  # the epoch's last batch
+    rollouts, _, counts, calls = _collect(["11", "10", "01", "11", "10"], rounds=2)  # 3 per step
+    assert [ids for ids, _ in calls] == [[0, 1, 2], [3]] and [r["id"] for r in rollouts.rows] == [1, 2, 3]
+    # a used-up pool starts over (new seeds: the round index), so every rank runs every round
+    _, _, _, calls = _collect(["11", "11"], rounds=3)
+    assert calls == [([0], 0), ([1], 1), ([0], 2)]
 
 
 def test_describe_is_plain_values():

@@ -89,3 +89,13 @@ def test_online_dpo_step_follows_the_loss_penalty_and_skips_ties(setup, loss_typ
     assert metrics["train/loss"] == pytest.approx(value, rel=1e-5)
     # Ties of the implicit reward count half, as in DPO (losses.preference.reward_accuracy).
     assert metrics["train/rewards/accuracies"] == pytest.approx(0.5)
+
+
+def test_candidates_pair_the_best_with_the_worst():
+    from lightning_vlm.methods.online_dpo import best_and_worst
+
+    nan = float("nan")
+    rewards = torch.tensor([0.0, 1.0, 0.5, 1.0, 2.0, 2.0, 2.0, 2.0, nan, 0.0, nan, 1.0])
+    # group 0: best index 1 (first of the two 1.0s), worst 0; group 1 all tie: (4, 4), a skipped pair;
+    # group 2: NaN is never picked while scored values exist
+    assert best_and_worst(rewards, 4) == [1, 0, 4, 4, 11, 9]

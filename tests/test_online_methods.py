@@ -44,7 +44,8 @@ def _updated_params(tiny_path, cls, rows, rollouts, **kwargs) -> dict[str, torch
             {
                 "reward_funcs": [
                     lambda completions, completion_ids, **kw: [float(sum(c) % 3) for c in completion_ids]
-                ]
+                ],
+                "num_candidates": 2,
             },
         ),
     ],

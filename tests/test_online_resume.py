@@ -8,10 +8,9 @@ import torch
 from helpers import compose_train
 from lightning_vlm.training import train
 
-
 # DAPO's dynamic sampling: pools of 4 prompts in 2 rounds (extra rounds draw from their own seeds)
-DYNAMIC = ["method.dynamic_sampling.enabled=true", "method.dynamic_sampling.max_num_gen_batches=2",
-           "data.batch_size=4", "data.synthetic.num_train=8"]  # fmt: skip
+DYNAMIC = ["method.dynamic_sampling={enabled:true,max_num_gen_batches:2}", "data.batch_size=4",
+           "data.synthetic.num_train=8"]  # fmt: skip
 
 
 def _run(tmp_path, warm: str, steps: int, ckpt_path: str | None = None, save: str | None = None,

@@ -11,7 +11,9 @@ from lightning_vlm.methods.online_dpo import OnlineDPO
 from lightning_vlm.models.vlm import VLM
 
 
-@pytest.mark.parametrize(("cls", "generations", "extra"), [(GRPO, 4, {"beta": 0.1}), (OnlineDPO, 2, {})])
+@pytest.mark.parametrize(
+    ("cls", "generations", "extra"), [(GRPO, 4, {"beta": 0.1}), (OnlineDPO, 2, {"num_candidates": 2})]
+)
 def test_vision_tower_runs_once_per_unique_image_per_forward(tiny_path, cls, generations, extra):
     vlm = VLM(tiny_path("qwen2_5_vl"))
     rows = synthetic_rows("prompt", 3, seed=7)

@@ -39,7 +39,7 @@ def test_train_py_default_config_runs_a_few_steps(tmp_path):
     assert list((run / "wandb").glob("offline-run-*")), "wandb should have written an offline run"
 
 
-METHODS = ["sft", "dpo", "mpo", "grpo", "gspo", "rloo", "online_dpo"]
+METHODS = ["sft", "dpo", "mpo", "kto", "grpo", "gspo", "dapo", "rloo", "online_dpo"]
 
 
 @pytest.mark.slow

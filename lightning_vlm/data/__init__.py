@@ -5,6 +5,7 @@ from lightning_vlm.data.datamodule import (
     PromptDataModule,
     RowDataset,
     SFTDataModule,
+    UnpairedDataModule,
     VLMDataModule,
     collate_rows,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "SFTDataModule",
     "Source",
     "SourceError",
+    "UnpairedDataModule",
     "VLMDataModule",
     "collate_rows",
     "load_row",

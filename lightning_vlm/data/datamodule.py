@@ -266,6 +266,12 @@ class PreferenceDataModule(VLMDataModule):
     shape = "preference"
 
 
+class UnpairedDataModule(VLMDataModule):
+    """Unpaired feedback rows (``prompt``, ``completion``, ``label``) for KTO."""
+
+    shape = "unpaired"
+
+
 class PromptDataModule(VLMDataModule):
     """Prompt rows for online methods: ``prompt``, ``images`` and every other column for the rewards."""
 

@@ -4,7 +4,9 @@ A normalised row always has ``images`` (a list; PIL images once loaded) and, by 
 
 - ``sft``: ``messages``;
 - ``preference``: ``prompt``, ``chosen``, ``rejected`` (the last two: assistant messages only);
-- ``prompt``: ``prompt``.
+- ``prompt``: ``prompt``;
+- ``unpaired``: ``prompt``, ``completion`` (assistant messages) and ``label`` (True: desirable), TRL's
+  KTO format.
 
 Messages are ``{"role": str, "content": [block, ...]}`` with blocks exactly ``{"type": "image"}`` or
 ``{"type": "text", "text": str}``. Any other column is passed through unchanged (``solution`` for
@@ -20,7 +22,7 @@ from typing import Any, NoReturn
 
 from PIL import Image
 
-SHAPES: tuple[str, ...] = ("sft", "preference", "prompt")
+SHAPES: tuple[str, ...] = ("sft", "preference", "prompt", "unpaired")
 REASONS: tuple[str, ...] = (
     "missing_column",
     "wrong_type",
@@ -198,6 +200,14 @@ def _check_answer(at: _Row, column: str, messages: list[dict]) -> None:
         at.fail(column, "no_answer", f"SFT row with {what} (roles: {roles}): it has nothing to train on")
 
 
+def _label(row: Mapping, at: _Row) -> bool:
+    """KTO's ``label``: a bool (True: desirable); 0/1 integers are accepted, anything else is an error."""
+    value = _require(row, at, "label")
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    at.fail("label", "wrong_type", f"'label' must be true or false (desirable or not), got {value!r}")
+
+
 def normalize_row(
     row: Mapping,
     shape: str,
@@ -266,6 +276,19 @@ def normalize_row(
         _check_count(at, "prompt", in_prompt + _count_images(rejected), len(images))
         out.update(prompt=prompt, chosen=chosen, rejected=rejected)
         used = ("prompt", "chosen", "rejected")
+    elif shape == "unpaired":
+        prompt, typed_p = _text_or_conversation(_require(row, at, "prompt"), at, "prompt", "user")
+        completion, typed_c = _text_or_conversation(
+            _require(row, at, "completion"), at, "completion", "assistant"
+        )
+        if any(m["role"] != "assistant" for m in completion):
+            at.fail("completion", "wrong_type", "'completion' must hold assistant messages only")
+        out["label"] = _label(row, at)
+        if images and not (typed_p or typed_c):
+            _insert_image_blocks(prompt, len(images))
+        _check_count(at, "prompt", _count_images(prompt) + _count_images(completion), len(images))
+        out.update(prompt=prompt, completion=completion)
+        used = ("prompt", "completion", "label")
     else:
         prompt, typed = _text_or_conversation(_require(row, at, "prompt"), at, "prompt", "user")
         if images and not typed:

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_vlm.data import grounding
 from lightning_vlm.data.files import FILE_BUILDERS, SourceError, load_file
-from lightning_vlm.data.synthetic import ROW_BUILDERS, make_sample
+from lightning_vlm.data.synthetic import ROW_BUILDERS, build_row, make_sample
 
 SPEC_KEYS: tuple[str, ...] = ("path", "subset", "split", "num_samples", "seed", "kinds", "image_size")
 SYNTHETIC_DEFAULTS: dict[str, Any] = {"num_samples": 256, "seed": 0, "kinds": ("color",), "image_size": 112}
@@ -38,9 +39,20 @@ class SyntheticRows(Sequence):
     ) -> None:
         if shape not in ROW_BUILDERS:
             raise ValueError(f"unknown data shape {shape!r}; expected one of {tuple(ROW_BUILDERS)}")
-        make_sample(seed, 0, kinds, image_size)  # fail now on a bad kind, not inside a worker
+        # "grounding" (a box for a named colour, data/grounding.py) is a task of its own: its answers
+        # are boxes for iou_reward, not words, so it does not mix with the question kinds.
+        self.grounding = "grounding" in kinds
+        if self.grounding and tuple(kinds) != ("grounding",):
+            raise ValueError(
+                f"synthetic kind 'grounding' cannot be mixed with others, got kinds={list(kinds)}"
+            )
+        if self.grounding and shape not in grounding.ROW_BUILDERS:
+            raise ValueError(
+                f"the synthetic grounding task has no {shape!r} rows; it has {tuple(grounding.ROW_BUILDERS)}"
+            )
         self.shape, self.num_samples, self.seed = shape, num_samples, seed
         self.kinds, self.image_size = tuple(kinds), image_size
+        self._sample(0)  # fail now on a bad kind or size, not inside a worker
 
     def __len__(self) -> int:
         return self.num_samples
@@ -48,7 +60,13 @@ class SyntheticRows(Sequence):
     def __getitem__(self, index: int) -> dict:  # type: ignore[override]
         if not 0 <= index < self.num_samples:
             raise IndexError(index)
-        return ROW_BUILDERS[self.shape](make_sample(self.seed, index, self.kinds, self.image_size))
+        return self._sample(index)
+
+    def _sample(self, index: int) -> dict:
+        if self.grounding:
+            sample = grounding.make_grounding_sample(self.seed, index, self.image_size)
+            return grounding.ROW_BUILDERS[self.shape](sample)
+        return build_row(self.shape, make_sample(self.seed, index, self.kinds, self.image_size), index)
 
 
 def _undecoded(feature: Any) -> Any:

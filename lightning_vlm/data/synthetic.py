@@ -134,7 +134,24 @@ def as_prompt_row(sample: Sample) -> dict:
     return {"prompt": _user_turn(sample.question), "images": [sample.image], "solution": sample.answer}
 
 
-ROW_BUILDERS = {"sft": as_sft_row, "preference": as_preference_row, "prompt": as_prompt_row}
+def as_unpaired_row(sample: Sample, desirable: bool = True) -> dict:
+    """TRL's unpaired (KTO) row: ``prompt``, ``completion``, ``label``, ``images``; the right answer when
+    ``desirable``, else the wrong one. ``solution`` (the right answer) is kept for answer accuracy."""
+    answer = sample.answer if desirable else sample.wrong_answer
+    return {"prompt": _user_turn(sample.question), "completion": _assistant_turn(answer), "label": desirable,
+            "images": [sample.image], "solution": sample.answer}  # fmt: skip
+
+
+ROW_BUILDERS = {"sft": as_sft_row, "preference": as_preference_row, "prompt": as_prompt_row,
+                "unpaired": as_unpaired_row}  # fmt: skip
+
+
+def build_row(shape: str, sample: Sample, index: int) -> dict:
+    """Row ``index`` in ``shape``; unpaired rows alternate desirable (even) and undesirable (odd), so no
+    prompt appears with both labels (KTO's data is unpaired)."""
+    if shape == "unpaired":
+        return as_unpaired_row(sample, desirable=index % 2 == 0)
+    return ROW_BUILDERS[shape](sample)
 
 
 def synthetic_rows(
@@ -143,5 +160,4 @@ def synthetic_rows(
     """``num_samples`` rows of the task in one of the data shapes ``sft``, ``preference`` or ``prompt``."""
     if shape not in ROW_BUILDERS:
         raise ValueError(f"unknown data shape {shape!r}; expected one of {tuple(ROW_BUILDERS)}")
-    build = ROW_BUILDERS[shape]
-    return [build(make_sample(seed, i, kinds, image_size)) for i in range(num_samples)]
+    return [build_row(shape, make_sample(seed, i, kinds, image_size), i) for i in range(num_samples)]

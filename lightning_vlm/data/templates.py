@@ -19,7 +19,12 @@ from lightning_vlm.data.images import WHITE, load_row, rgb_background
 from lightning_vlm.data.rows import SHAPES, RowError, normalize_row
 
 # The conversation column each shape's template fills, and the one the system turn goes in front of.
-CONVERSATION: dict[str, str] = {"sft": "messages", "preference": "prompt", "prompt": "prompt"}
+CONVERSATION: dict[str, str] = {
+    "sft": "messages",
+    "preference": "prompt",
+    "prompt": "prompt",
+    "unpaired": "prompt",
+}
 
 
 def rename(row: Mapping, column_map: Mapping[str, str]) -> dict:

@@ -153,3 +153,34 @@ def kl_penalized_rewards(
     """
     kl = ((logps_old - logps_ref).detach() * mask.to(logps_old.dtype)).sum(dim=-1)
     return rewards - beta * kl.to(rewards.dtype)
+
+
+AGGREGATIONS: tuple[str, ...] = ("sum_then_normalize", "normalize_then_sum")
+
+
+def decoupled_advantages(
+    per_function: torch.Tensor, weights: torch.Tensor, num_generations: int, eps: float = 1e-4
+) -> torch.Tensor:
+    """GDPO (arXiv 2601.05242), TRL's ``multi_objective_aggregation="normalize_then_sum"``.
+
+    Each reward function's rewards are group-normalised on their own, Â_k = (r_k - mean_g) /
+    (std_g + eps), so a reward with a wide range cannot drown a binary one; the weighted sum
+    S = Σ_k w_k·Â_k is then normalised over the batch, (S - mean) / (std + eps). A missing reward
+    (NaN) drops out of its function's statistics and adds 0 to S; a completion no function scored
+    gets advantage 0 and stays out of the batch statistics. For data parallelism pass the gathered
+    rewards (the batch statistics are over every rank's completions, as TRL's).
+    """
+    if per_function.dim() != 2 or per_function.shape[1] != weights.numel():
+        raise ValueError(
+            f"per_function must be [N, F] with F = {weights.numel()} weights, got {tuple(per_function.shape)}"
+        )
+    dtype, device = per_function.dtype, per_function.device
+    columns = [
+        group_advantages(per_function[:, k], num_generations, "group", eps) for k in range(weights.numel())
+    ]
+    summed = (as_float64(torch.stack(columns, dim=1)) * as_float64(weights.to(per_function))).sum(dim=1)
+    scored = ~torch.isnan(as_float64(per_function)).all(dim=1)
+    valid = torch.where(scored, summed, torch.full_like(summed, float("nan")))
+    mean = torch.nanmean(valid).nan_to_num(0.0)
+    adv = torch.where(scored, (summed - mean) / (_nan_std(valid) + eps), torch.zeros_like(summed))
+    return adv.to(device, dtype)

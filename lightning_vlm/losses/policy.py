@@ -21,9 +21,22 @@ from typing import Literal
 
 import torch
 
+from lightning_vlm.losses.policy_variants import (
+    VESPO_DEFAULT,
+    VespoShape,
+    cispo_per_token,
+    off_policy_mask,
+    sapo_per_token,
+    vespo_weights,
+)
+
 Level = Literal["token", "sequence"]
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
-LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+# The loss types built on the clipped surrogate (the others have their own per-token term).
+CLIPPED: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# How each loss type reduces its per-token loss (TRL's pairing): the newer types reuse four of them.
+AGGREGATION: dict[str, str] = {"cispo": "dapo", "vespo": "dapo", "sapo": "grpo"}
 LEVELS: tuple[str, ...] = ("token", "sequence")
 
 
@@ -74,18 +87,21 @@ def clipped_surrogate(
     epsilon_low: float = 0.2,
     epsilon_high: float | None = None,
     level: Level = "token",
+    delta: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017, eq. 7) per token: -min(r·A, clip(r, 1-ε_l, 1+ε_h)·A).
 
     Asymmetric ε (DAPO's clip-higher, Yu et al. 2025); ``epsilon_high`` defaults to ``epsilon_low``
-    as in TRL. Stats over active tokens: "clip_ratio/low" (r < 1-ε_l with A < 0) and
+    as in TRL. ``delta`` (INTELLECT-2's two-sided clipping, arXiv 2505.07291) caps r at δ in the
+    unclipped term only, as TRL: for A < 0 that term was unbounded, so one sample far off-policy could
+    dominate a step; for A > 0 it changes nothing once δ > 1 + ε_h. Stats over active tokens: "clip_ratio/low" (r < 1-ε_l with A < 0) and
     "clip_ratio/high" (r > 1+ε_h with A > 0) are the tokens whose gradient the clip zeroes,
     "clip_ratio/region" their union; "ratio/mean|min|max" describe r.
     """
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     ratio = torch.exp(importance_ratio(logps, old_logps, mask, level))
-    unclipped = ratio * adv
+    unclipped = (ratio if delta is None else torch.clamp(ratio, max=delta)) * adv
     clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + eps_high) * adv
     per_token = -torch.min(unclipped, clipped)
 
@@ -131,13 +147,19 @@ def aggregate(
     dapo (Yu et al. 2025): Σ l·m / (active tokens of the whole generation batch), passed as
     ``num_items_in_batch`` (default: the local Σ m).
     ``num_sequences_in_batch`` replaces N for grpo and dr_grpo (default: local N). See the module
-    docstring for why the normalisers must be global under gradient accumulation.
+    docstring for why the normalisers must be global under gradient accumulation. The newer types
+    reduce as TRL: cispo and vespo as dapo, sapo as grpo, luspo as Σ l·m / N (length-weighted).
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     m = mask.to(per_token.dtype)
-    masked = per_token * m
     num_seqs = per_token.shape[0] if num_sequences_in_batch is None else num_sequences_in_batch
+    if loss_type == "luspo":
+        # LUSPO (arXiv 2602.05261): each sequence's loss times its length, Σ_i Σ_t l·m / N, which undoes
+        # GSPO's length normalisation (TRL after PR #6654: the mask applied per token).
+        return (per_token * m).sum() / num_seqs
+    loss_type = AGGREGATION.get(loss_type, loss_type)
+    masked = per_token * m
     if loss_type == "grpo":
         return (masked.sum(-1) / m.sum(-1).clamp(min=1.0)).sum() / num_seqs
     if loss_type == "bnpo":
@@ -159,38 +181,105 @@ def policy_loss(
     beta: float = 0.0,
     epsilon_low: float = 0.2,
     epsilon_high: float | None = None,
+    delta: float | None = None,
     level: Level = "token",
     loss_type: LossType = "dapo",
+    sapo_temperatures: tuple[float, float] = (1.0, 1.05),
+    vespo_shape: VespoShape = VESPO_DEFAULT,
     is_weights: torch.Tensor | None = None,
+    sampler_logps: torch.Tensor | None = None,
+    off_policy_mask_threshold: float | None = None,
+    use_bias_correction_kl: bool = False,
     entropy_mask: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
     max_completion_length: int | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     num_sequences_in_batch: int | float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO objective (Shao et al. 2024, eq. 3): aggregate(w·surrogate + β·k3) -> (loss, detached metrics).
+    """GRPO objective (Shao et al. 2024, eq. 3) and TRL's variants -> (loss, detached metrics).
+
+    The per-token term is the clipped surrogate (grpo, bnpo, dr_grpo, dapo, luspo; with ``delta``),
+    CISPO's, SAPO's or VESPO's (``policy_variants``); then, in TRL's order: × the off-policy sequence
+    mask (``off_policy_mask_threshold``, against ``sampler_logps``, else ``old_logps``), × ``entropy_mask``,
+    × the rollout IS weights (not for vespo, which folds them into its weight), + β·k3 KL (× the
+    ratio π/π_old with ``use_bias_correction_kl``, DeepSeek-V3.2's unbiased KL estimate), aggregated,
+    and minus ``entropy_coef`` times the mean entropy of the tokens trained on (``entropy`` must carry
+    its gradient; divided by ``num_items_in_batch`` for every loss type, so micro-batching does not
+    change it, where TRL divides by the local token count for the non-dapo types).
 
     ``old_logps=None`` means on-policy (one optimisation step per generation): π_old = sg[π], so
-    r = 1 in value but gradients still flow. ``is_weights`` (from ``importance.rollout_correction``)
-    rescale only the surrogate, as in TRL: they correct for sampling from the rollout engine, while
-    the KL term is already an expectation under the trainer's own samples. ``entropy_mask`` (0/1 [N, T],
-    ``top_entropy_quantile``) zeroes the surrogate of the other tokens, as TRL: the KL term and the
-    loss normalisers still count every token of ``mask``.
+    r = 1 in value but gradients still flow. The IS weights correct for sampling from the rollout
+    engine; the KL term is already an expectation under the trainer's own samples, so it is not
+    reweighted. ``entropy_mask`` (``top_entropy_quantile``) zeroes the surrogate of the other tokens:
+    the KL term and the loss normalisers still count every token of ``mask``.
     """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     if old_logps is None:
         old_logps = logps.detach()
-    per_token, metrics = clipped_surrogate(
-        logps, old_logps, advantages, mask, epsilon_low, epsilon_high, level
-    )
+    if loss_type in CLIPPED:
+        per_token, metrics = clipped_surrogate(
+            logps, old_logps, advantages, mask, epsilon_low, epsilon_high, level, delta
+        )
+    else:
+        per_token, metrics = _variant_per_token(
+            loss_type, logps, old_logps, advantages, mask, level, epsilon_high, sapo_temperatures,
+            vespo_shape, is_weights,
+        )  # fmt: skip
+    if off_policy_mask_threshold is not None:
+        sampled = old_logps if sampler_logps is None else sampler_logps
+        keep = off_policy_mask(logps, sampled, advantages, mask, off_policy_mask_threshold)
+        per_token = per_token * keep
+        metrics["off_policy_mask/masked_frac"] = 1.0 - keep.mean()
     if entropy_mask is not None:
         per_token = per_token * entropy_mask.detach()
-    if is_weights is not None:
+    if is_weights is not None and loss_type != "vespo":
         per_token = per_token * is_weights.detach()
         metrics["is_weight/mean"] = _masked_mean(is_weights.detach(), mask)
     if ref_logps is not None and beta != 0.0:
         kl = k3_kl(logps, ref_logps)
+        if use_bias_correction_kl:
+            kl = kl * torch.exp(importance_ratio(logps, old_logps, mask, level))
         per_token = per_token + beta * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask)
     loss = aggregate(
         per_token, mask, loss_type, max_completion_length, num_items_in_batch, num_sequences_in_batch
     )
+    if entropy is not None and entropy_coef != 0.0:
+        metrics["policy_loss"] = loss.detach()
+        trained = mask.to(entropy.dtype) * (1.0 if entropy_mask is None else entropy_mask.detach())
+        tokens = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        loss = loss - entropy_coef * (entropy * trained).sum() / tokens
     return loss, metrics
+
+
+def _variant_per_token(
+    loss_type: str,
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    level: Level,
+    epsilon_high: float | None,
+    sapo_temperatures: tuple[float, float],
+    vespo_shape: VespoShape,
+    is_weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token loss of cispo, sapo or vespo, with TRL's metric names."""
+    log_ratio = importance_ratio(logps, old_logps, mask, level)
+    ratio = torch.exp(log_ratio)
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    if loss_type == "cispo":
+        if epsilon_high is None:
+            raise ValueError("cispo caps the IS weight at epsilon_high (absolute, e.g. 5.0): set it")
+        high = ((ratio.detach() > epsilon_high) & (adv > 0)).to(ratio.dtype)
+        return cispo_per_token(logps, ratio, advantages, epsilon_high), {
+            "cispo_clip_ratio": _masked_mean(high, mask)
+        }
+    if loss_type == "sapo":
+        return sapo_per_token(ratio, advantages, *sapo_temperatures), {}
+    token_log_ratio = logps.detach() - old_logps  # VESPO's w is the product of token ratios
+    log_is = None if is_weights is None else torch.log(is_weights.detach().clamp(min=1e-30))
+    phi = vespo_weights(token_log_ratio, mask, advantages, vespo_shape, log_is)
+    return -phi * adv * logps, {"vespo/phi_seq_mean": phi.mean()}

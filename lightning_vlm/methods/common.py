@@ -51,6 +51,23 @@ def clip_gradients(
     module.clip_gradients(optimizer, gradient_clip_val=value, gradient_clip_algorithm=algorithm)
 
 
+class FactoryOptimized(L.LightningModule):
+    """The optimizer hooks of the methods Lightning optimises itself (SFT, DPO, KTO): the optimizer and
+    scheduler from their Hydra ``_partial_`` factories, and FSDP-aware gradient clipping."""
+
+    optimizer_factory: Callable[..., torch.optim.Optimizer]
+    scheduler_factory: Callable[..., Any] | None
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:  # fmt: skip
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def configure_optimizers(self) -> Any:
+        return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory)
+
+
 def _warn_half_precision_updates(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer) -> None:
     # bf16 keeps 8 significant bits: an update below ~0.4% of a weight rounds away, so a 1e-6 AdamW
     # step on bf16 weights silently does nothing. fp32 master weights (model.dtype=float32 with

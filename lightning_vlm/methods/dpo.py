@@ -13,15 +13,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
 from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.losses.preference import PreferenceInputs, RunningMean, weighted_preference_loss
 from lightning_vlm.methods.common import (
-    clip_gradients,
-    configure_optimizers,
+    FactoryOptimized,
     greedy_answer_hits,
     message_text,
 )
@@ -40,7 +38,7 @@ def chosen_answers(rows: list[dict]) -> list[str]:
     return [message_text(row["chosen"][-1]) for row in rows]
 
 
-class DPO(L.LightningModule):
+class DPO(FactoryOptimized):
     """DPO with TRL's knobs: ``loss_type`` list, ``loss_weights``, ``beta``, ``label_smoothing``; and
     ``sft_normalization`` for the ``sft`` term ("per_example", ours, or TRL's "token_mean")."""
 
@@ -220,12 +218,3 @@ class DPO(L.LightningModule):
     def on_train_epoch_end(self) -> None:
         if self.ref_cache is not None:
             self.ref_cache.save()
-
-    def configure_gradient_clipping(
-        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str | None = None,
-    ) -> None:  # fmt: skip
-        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
-
-    def configure_optimizers(self) -> Any:
-        return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory)

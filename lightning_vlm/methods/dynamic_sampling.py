@@ -3,9 +3,10 @@
 A group whose rewards all tie (every completion right, or every one wrong) has advantage 0 for every
 sample, so it adds nothing to the policy gradient but still dilutes the step's normalisers. DAPO
 drops such groups and samples more prompts until the batch is full. Here a step's data batch is the
-*pool* of prompts for one step: it is generated in rounds of ``len(pool) // max_num_gen_batches``
-prompts, the groups a filter keeps are collected, and generation stops once a round's worth are kept
-(on every rank) or the pool is used up. The step then trains on exactly one round's worth of groups,
+*pool* of prompts for one step: its first ``⌈len(pool) / max_num_gen_batches⌉`` prompts (a round) are
+generated, the groups a filter keeps are collected, and each further round (``max_num_gen_batches`` in
+all) generates only as many of the next prompts as groups are still missing, until a round's worth are
+kept (on every rank) or the rounds are used up. The step then trains on exactly one round's worth of groups,
 kept ones first; if too few passed, the last filtered ones fill the gap (their advantages are 0, so
 they change nothing but the normalisers, and the step keeps its shape for micro-batching and DDP).
 Because the pool is the dataloader's batch and each round's sampling seed is derived from
@@ -97,28 +98,29 @@ class DynamicSampling:
         return {"enabled": self.enabled, "filter": name, "max_num_gen_batches": self.max_num_gen_batches}
 
     def round_size(self, pool: int) -> int:
-        """Prompts per generation round (= groups trained on per step) for a pool of ``pool`` prompts."""
+        """Prompts per generation round (= groups trained on per step) for a pool of ``pool`` prompts:
+        ⌈pool / max_num_gen_batches⌉, so an epoch's last, shorter batch still runs (in smaller rounds)."""
         rounds = self.max_num_gen_batches if self.enabled else 1
-        if pool % rounds:
-            raise ValueError(
-                f"the data batch of {pool} prompts does not split into "
-                f"method.dynamic_sampling.max_num_gen_batches={rounds} equal generation rounds; "
-                f"make data.batch_size a multiple of {rounds}"
-            )
-        return pool // rounds
+        return -(-pool // rounds)
 
 
 def select_groups(rollouts: Rollouts, groups: Sequence[int]) -> Rollouts:
     """The rollouts of prompt rows ``groups`` (indices into ``rollouts.rows``), in that order."""
     g = rollouts.num_generations
-    index = [i * g + j for i in groups for j in range(g)]
+    return select_completions(rollouts, groups, [i * g + j for i in groups for j in range(g)], g)
+
+
+def select_completions(
+    rollouts: Rollouts, groups: Sequence[int], index: Sequence[int], num_generations: int
+) -> Rollouts:
+    """Completions ``index`` of ``rollouts``, ``num_generations`` per row of ``groups``, in that order."""
     logprobs = None if rollouts.logprobs is None else [rollouts.logprobs[i] for i in index]
     return Rollouts(
         rows=[rollouts.rows[i] for i in groups],
         completion_ids=[rollouts.completion_ids[i] for i in index],
         completion_texts=[rollouts.completion_texts[i] for i in index],
         truncated=[rollouts.truncated[i] for i in index],
-        num_generations=g,
+        num_generations=num_generations,
         logprobs=logprobs,
         extras=dict(rollouts.extras),
     )
@@ -170,8 +172,14 @@ def collect(
     size = settings.round_size(len(pool))
     keep = settings.group_filter
     got = Collected()
-    for start in range(0, len(pool), size):
-        rollouts = generate(pool[start : start + size], got.rounds)
+    start, wanted = 0, size
+    for _ in range(settings.max_num_gen_batches if settings.enabled else 1):
+        # After the first round, only as many prompts as groups are still missing: verl draws a whole
+        # round each time and drops the surplus, most of a round's samples. A pool used up (an epoch's
+        # short last batch) starts over with new seeds, so every rank still runs every round.
+        rows = [pool[(start + i) % len(pool)] for i in range(wanted)]
+        start += wanted
+        rollouts = generate(rows, got.rounds)
         per_function = score(rollouts)
         got.rounds += 1
         got.generated += len(rollouts)
@@ -180,13 +188,14 @@ def collect(
         g = rollouts.num_generations
         rewards = total(per_function).view(-1, g)
         decisions = [bool(keep(rewards[i], per_function[i * g : (i + 1) * g])) for i in range(len(rewards))]
-        for wanted, target in ((True, got.kept), (False, got.dropped)):
-            groups = [i for i, d in enumerate(decisions) if d == wanted]
+        for passed, target in ((True, got.kept), (False, got.dropped)):
+            groups = [i for i, d in enumerate(decisions) if d == passed]
             if groups:
                 index = torch.tensor([i * g + j for i in groups for j in range(g)])
                 target.append((select_groups(rollouts, groups), per_function[index]))
         if everyone_has(got.num_kept >= size):
             break
+        wanted = max(size - got.num_kept, 1)  # ranks already full draw one prompt: rounds stay aligned
     parts = got.kept + got.dropped[::-1]  # kept first, then the latest filtered ones
     rollouts = select_groups(concat_rollouts([r for r, _ in parts]), range(size))
     per_function = torch.cat([p for _, p in parts])[: size * rollouts.num_generations]

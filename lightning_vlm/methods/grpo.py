@@ -1,18 +1,34 @@
-"""GRPO (Shao et al. 2024) and, by configuration, GSPO (Zheng et al. 2025; ``importance_sampling_level: sequence``)."""
+"""GRPO (Shao et al. 2024) and, by configuration, GSPO (Zheng et al. 2025; ``importance_sampling_level:
+sequence``), DAPO (``method=dapo``) and TRL's newer losses (cispo, sapo, luspo, vespo), clipping
+(``delta``), masks, KL and entropy terms and GDPO's reward aggregation (``losses.policy``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Unpack
+from typing import Any, Unpack
 
 import torch
 
-from lightning_vlm.losses.advantages import SCALE_REWARDS, group_advantages
+from lightning_vlm.losses.advantages import (
+    AGGREGATIONS,
+    SCALE_REWARDS,
+    decoupled_advantages,
+    group_advantages,
+)
 from lightning_vlm.losses.policy import LEVELS, LOSS_TYPES, policy_loss
+from lightning_vlm.losses.policy_variants import AdaptiveEntropy, VespoShape
 from lightning_vlm.methods.online import OnlineRL
 from lightning_vlm.methods.online_kwargs import OnlineKwargs
 from lightning_vlm.methods.rollout_buffer import RolloutBatch, Step
 from lightning_vlm.models.vlm import VLM
+from lightning_vlm.parallel.collectives import all_reduce_sum
+
+_ENTROPY_KEY = "lightning_vlm/adaptive_entropy"
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
 
 
 class GRPO(OnlineRL):
@@ -24,29 +40,79 @@ class GRPO(OnlineRL):
         optimizer: Callable[..., torch.optim.Optimizer],
         epsilon: float = 0.2,
         epsilon_high: float | None = None,
+        delta: float | None = None,
         loss_type: str = "dapo",
         importance_sampling_level: str = "token",
         scale_rewards: str = "group",
+        multi_objective_aggregation: str = "sum_then_normalize",
         top_entropy_quantile: float = 1.0,
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        vespo_k_pos: float = 2.0,
+        vespo_lambda_pos: float = 3.0,
+        vespo_k_neg: float = 3.0,
+        vespo_lambda_neg: float = 2.0,
+        off_policy_mask_threshold: float | None = None,
+        use_bias_correction_kl: bool = False,
+        entropy_coef: float = 0.0,
+        use_adaptive_entropy: bool = False,
+        entropy_coef_min: float = 0.0,
+        entropy_coef_max: float = 1.0,
+        entropy_coef_delta: float = 0.005,
+        entropy_target: float = 0.2,
         **online: Unpack[OnlineKwargs],
     ) -> None:
-        if loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-        if importance_sampling_level not in LEVELS:
-            raise ValueError(
-                f"importance_sampling_level must be one of {LEVELS}, got {importance_sampling_level!r}"
-            )
-        if scale_rewards not in SCALE_REWARDS:
-            raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
-        if not 0.0 < top_entropy_quantile <= 1.0:
-            raise ValueError(f"top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}")
-        if epsilon <= 0 or (epsilon_high is not None and epsilon_high <= 0):
-            raise ValueError(f"epsilon and epsilon_high must be > 0, got {epsilon}, {epsilon_high}")
+        _check(loss_type in LOSS_TYPES, f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+        _check(importance_sampling_level in LEVELS,
+               f"importance_sampling_level must be one of {LEVELS}, got {importance_sampling_level!r}")  # fmt: skip
+        _check(
+            scale_rewards in SCALE_REWARDS,
+            f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}",
+        )
+        _check(multi_objective_aggregation in AGGREGATIONS,
+               f"multi_objective_aggregation must be one of {AGGREGATIONS}, got {multi_objective_aggregation!r}")  # fmt: skip
+        # TRL ignores scale_rewards under GDPO without a word; a setting that does nothing is refused.
+        _check(multi_objective_aggregation == "sum_then_normalize" or scale_rewards == "group",
+               "multi_objective_aggregation=normalize_then_sum normalises each reward by its group's std and "
+               f"the sum by the batch's: scale_rewards={scale_rewards!r} would be ignored; leave it at 'group'")  # fmt: skip
+        _check(
+            0.0 < top_entropy_quantile <= 1.0,
+            f"top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}",
+        )
+        _check(epsilon > 0 and (epsilon_high is None or epsilon_high > 0),
+               f"epsilon and epsilon_high must be > 0, got {epsilon}, {epsilon_high}")  # fmt: skip
+        # TRL falls back to epsilon (0.2) here, which caps every IS weight near 1 at 0.2.
+        _check(loss_type != "cispo" or epsilon_high is not None,
+               "loss_type=cispo caps the IS weight at epsilon_high, an absolute bound (MiniMax-M1's eps_max; "
+               "ScaleRL uses 5.0): set method.epsilon_high")  # fmt: skip
+        _check(delta is None or delta > 1.0, f"delta (two-sided clipping) must be > 1, got {delta}")
+        _check(sapo_temperature_pos > 0 and sapo_temperature_neg > 0, "sapo temperatures must be > 0")
+        _check(off_policy_mask_threshold is None or off_policy_mask_threshold >= 0,
+               f"off_policy_mask_threshold must be >= 0, got {off_policy_mask_threshold}")  # fmt: skip
         super().__init__(vlm, optimizer, **online)
+        self.vespo_shape = VespoShape(vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
+        self.entropy_control: AdaptiveEntropy | None = None
+        if use_adaptive_entropy:
+            self.entropy_control = AdaptiveEntropy(
+                entropy_coef, entropy_target, entropy_coef_delta, entropy_coef_min, entropy_coef_max
+            )
+        self._step_entropy = torch.zeros(2)  # Σ entropy·mask and Σ mask of this optimizer step
+
+    @property
+    def entropy_coef(self) -> float:
+        """The entropy bonus of the next loss: fixed, or the adaptive controller's current value."""
+        if self.entropy_control is not None:
+            return self.entropy_control.applied
+        return self.hparams.entropy_coef
 
     def compute_advantages(self, batch: RolloutBatch) -> torch.Tensor:
-        """(r - group mean) / (std + 1e-4), std of the group, the batch (all ranks'), or none (Dr. GRPO)."""
+        """(r - group mean) / (std + 1e-4), std of the group, the batch (all ranks'), or none (Dr. GRPO);
+        or GDPO's per-reward group normalisation, then the batch's."""
         hp = self.hparams
+        if hp.multi_objective_aggregation == "normalize_then_sum":
+            gathered = batch.shard.gather(batch.per_function)
+            everyone = decoupled_advantages(gathered, self.scorer.weights, hp.num_generations)
+            return batch.shard.local(everyone)
         if hp.scale_rewards != "batch":
             return group_advantages(batch.rewards, hp.num_generations, hp.scale_rewards)
         # TRL's batch std is over the whole generation batch: every rank's rewards.
@@ -65,6 +131,15 @@ class GRPO(OnlineRL):
             # surrogate is zeroed, but they still count in the normalisers and the KL term.
             threshold = torch.quantile(entropy[mask.bool()].detach(), 1.0 - hp.top_entropy_quantile)
             entropy_mask = mask * (entropy.detach() >= threshold).to(mask.dtype)
+        is_weights = None if batch.is_weights is None else batch.is_weights[index]
+        if is_weights is not None and hp.loss_type == "vespo" and self.is_level != "token":
+            raise ValueError(
+                "loss_type=vespo folds the rollout IS ratios into its sequence weight, one per token: set "
+                "method.vllm_importance_sampling_mode to token_truncate or token_mask"
+            )
+        if self.entropy_control is not None and entropy is not None:
+            trained = mask if entropy_mask is None else entropy_mask
+            self._step_entropy += torch.stack([(entropy.detach() * trained).sum(), trained.sum()]).cpu()
         loss, stats = policy_loss(
             logps,
             None if batch.old_logps is None else batch.old_logps[index],
@@ -74,10 +149,18 @@ class GRPO(OnlineRL):
             beta=hp.beta,
             epsilon_low=hp.epsilon,
             epsilon_high=hp.epsilon_high,
+            delta=hp.delta,
             level=hp.importance_sampling_level,
             loss_type=hp.loss_type,
-            is_weights=None if batch.is_weights is None else batch.is_weights[index],
+            sapo_temperatures=(hp.sapo_temperature_pos, hp.sapo_temperature_neg),
+            vespo_shape=self.vespo_shape,
+            is_weights=is_weights,
+            sampler_logps=None if batch.sampler_logps is None else batch.sampler_logps[index].to(logps),
+            off_policy_mask_threshold=hp.off_policy_mask_threshold,
+            use_bias_correction_kl=hp.use_bias_correction_kl,
             entropy_mask=entropy_mask,
+            entropy=entropy,
+            entropy_coef=self.entropy_coef,
             max_completion_length=self.sampling.max_new_tokens,
             # Normalisers of the whole optimizer step over all ranks, so neither accumulation nor the
             # number of processes changes the update.
@@ -87,4 +170,26 @@ class GRPO(OnlineRL):
         if hp.loss_type == "bnpo":
             # Local by definition (TRL): each micro-batch's token mean, weighted by its share of the step.
             loss = loss * len(index) / step.sequences
+        if hp.entropy_coef != 0.0 or self.entropy_control is not None:
+            stats["entropy_coef"] = torch.tensor(self.entropy_coef, device=loss.device)
         return loss, stats
+
+    def on_policy_update(self) -> None:
+        super().on_policy_update()
+        if self.entropy_control is None:
+            return
+        # The step's mean entropy over every rank's trained tokens (one small collective).
+        total, count = all_reduce_sum(self._step_entropy.to(self.device)).tolist()
+        self._step_entropy.zero_()
+        if count > 0:
+            self.entropy_control.update(total / count)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        if self.entropy_control is not None:
+            checkpoint[_ENTROPY_KEY] = self.entropy_control.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        if self.entropy_control is not None and _ENTROPY_KEY in checkpoint:
+            self.entropy_control.load_state_dict(checkpoint[_ENTROPY_KEY])

@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-import lightning as L
 import torch
 from torchmetrics import MeanMetric
 

@@ -3,6 +3,11 @@
 Each prompt gets two sampled completions; the reward functions (or a reward model) pick the chosen
 one, and the DPO loss (sigmoid or ipo) is applied against the reference model. The training forward
 always carries the prompt's pixel inputs (a bug TRL users hit under vLLM).
+
+``num_candidates`` > 2 (not in TRL) samples that many completions per prompt and keeps the best- and
+the worst-scored as the pair, as in "RLHF Workflow" (Dong et al. 2024, arXiv 2405.07863) and iterative
+DPO. With a 0/1 reward two samples tie (and teach nothing) with probability p² + (1-p)²: half the
+prompts at p = 0.5; of four candidates all tie with probability p⁴ + (1-p)⁴, one prompt in eight.
 """
 
 from __future__ import annotations
@@ -12,22 +17,35 @@ from typing import Unpack
 
 import torch
 
+from lightning_vlm.generation.base import Rollouts
 from lightning_vlm.losses.preference import (
     PreferenceInputs,
     logratio_margin,
     per_example_loss,
     reward_accuracy,
 )
+from lightning_vlm.methods.dynamic_sampling import select_completions
 from lightning_vlm.methods.online import OnlineRL
 from lightning_vlm.methods.online_kwargs import OnlineKwargs
+from lightning_vlm.methods.online_metrics import log_synced
 from lightning_vlm.methods.rollout_buffer import RolloutBatch, Step
 from lightning_vlm.models.vlm import VLM
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
 
 
+def best_and_worst(rewards: torch.Tensor, k: int) -> list[int]:
+    """Indices (best, worst) of each consecutive group of ``k`` rewards; the first of equals wins. A NaN
+    (unscored) is never picked over a scored one; a group with one scored value gives a tie (skipped)."""
+    grouped = rewards.view(-1, k)
+    best = grouped.nan_to_num(-torch.inf).argmax(-1)
+    worst = grouped.nan_to_num(torch.inf).argmin(-1)
+    return [i * k + int(j) for i in range(len(grouped)) for j in (best[i], worst[i])]
+
+
 class OnlineDPO(OnlineRL):
-    """Two completions per prompt, the higher-scored is chosen; tied or unscored pairs are skipped."""
+    """A pair per prompt (the best and worst of ``num_candidates``), the higher-scored chosen; tied or
+    unscored pairs are skipped."""
 
     def __init__(
         self,
@@ -37,12 +55,16 @@ class OnlineDPO(OnlineRL):
         beta: float = 0.1,
         loss_type: str = "sigmoid",
         missing_eos_penalty: float | None = None,
+        num_candidates: int = 4,
         **online: Unpack[OnlineKwargs],
     ) -> None:
         if num_generations != 2:
             raise ValueError(
                 f"Online DPO compares two completions: num_generations must be 2, got {num_generations}"
             )
+        if not isinstance(num_candidates, int) or num_candidates < 2:
+            raise ValueError(f"num_candidates (samples per prompt the pair is picked from) must be >= 2, "
+                             f"got {num_candidates!r}")  # fmt: skip
         if loss_type not in DPO_LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
         if not beta > 0:
@@ -56,12 +78,35 @@ class OnlineDPO(OnlineRL):
     def needs_reference(self) -> bool:
         return True
 
+    @property
+    def samples_per_prompt(self) -> int:
+        return self.hparams.num_candidates
+
+    def penalized(self, rewards: torch.Tensor, truncated: list[bool]) -> torch.Tensor:
+        """Rewards minus ``missing_eos_penalty`` for completions without an end of turn (TRL subtracts)."""
+        if self.hparams.missing_eos_penalty is None:
+            return rewards
+        cut = torch.tensor(truncated, device=rewards.device, dtype=rewards.dtype)
+        return rewards - self.hparams.missing_eos_penalty * cut
+
+    def sample(self, pool: list[dict]) -> tuple[Rollouts, torch.Tensor]:
+        """Sample ``num_candidates`` per prompt and keep (best, worst) by reward: the pair to train on."""
+        rollouts, per_function = super().sample(pool)
+        k = self.hparams.num_candidates
+        if rollouts.num_generations != k:
+            raise ValueError(f"the generator returned {rollouts.num_generations} completions per prompt, "
+                             f"num_candidates={k} were asked for")  # fmt: skip
+        if k == 2:
+            return rollouts, per_function
+        rewards = self.penalized(self.scorer.total(per_function), rollouts.truncated)
+        index = best_and_worst(rewards, k)
+        log_synced(self, {"train/candidates/reward": torch.nanmean(rewards)}, len(pool))
+        picked = select_completions(rollouts, range(len(rollouts.rows)), index, 2)
+        return picked, per_function[torch.tensor(index)]
+
     def compute_advantages(self, batch: RolloutBatch) -> torch.Tensor:
         """+1 for chosen, -1 for rejected, 0 for skipped pairs; the choice is kept in ``batch.extras``."""
-        rewards = batch.rewards.clone()
-        if self.hparams.missing_eos_penalty is not None:
-            truncated = torch.tensor(batch.rollouts.truncated, device=rewards.device)
-            rewards = rewards - self.hparams.missing_eos_penalty * truncated.to(rewards.dtype)
+        rewards = self.penalized(batch.rewards.clone(), batch.rollouts.truncated)
         pairs = rewards.view(-1, 2)
         # A tie (or a missing score) says nothing about which answer is better: no pair, no gradient.
         valid = ~pairs.isnan().any(-1) & (pairs[:, 0] != pairs[:, 1])

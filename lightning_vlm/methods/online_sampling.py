@@ -41,7 +41,7 @@ class RolloutSampling(L.LightningModule):
 
         def generate(rows: list[dict], round_index: int) -> Rollouts:
             with seeded(self.generator, self.rollout_seed(round_index), self.device):
-                return self.generator.generate(rows, self.hparams.num_generations, self.sampling)
+                return self.generator.generate(rows, self.samples_per_prompt, self.sampling)
 
         def everyone_done(done: bool) -> bool:
             # A collective: all ranks run the same rounds (FSDP's generation forwards must match).
@@ -57,6 +57,11 @@ class RolloutSampling(L.LightningModule):
         values["train/completions_generated"] = torch.tensor(float(self.completions_generated))
         log_synced(self, values, len(pool))
         return rollouts, per_function
+
+    @property
+    def samples_per_prompt(self) -> int:
+        """Completions generated per prompt (Online DPO may draw more candidates than it keeps)."""
+        return self.hparams.num_generations
 
     def rollout_seed(self, round_index: int = 0) -> int | None:
         """The sampling seed of a generation round: (seed, global_step, rank, round); rank 0 of one

@@ -5,16 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
 from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.losses.sft import sft_loss, token_accuracy
 from lightning_vlm.methods.common import (
+    FactoryOptimized,
     answer_accuracy_rows,
-    clip_gradients,
-    configure_optimizers,
     greedy_answer_hits,
 )
 from lightning_vlm.methods.completions import CompletionRecorder, answer_samples
@@ -24,7 +22,7 @@ from lightning_vlm.parallel.collectives import mean_normalizer
 from lightning_vlm.settings_check import check_positive
 
 
-class SFT(L.LightningModule):
+class SFT(FactoryOptimized):
     """SFT: NLL of the assistant turns; validation also scores held-out answers by greedy generation."""
 
     def __init__(
@@ -96,12 +94,3 @@ class SFT(L.LightningModule):
                 self.hparams.val_max_new_tokens, self.trainer.datamodule,
                 lambda rows: answer_accuracy_rows(rows)[1], self.vlm.tokenizer,
             )  # fmt: skip
-
-    def configure_gradient_clipping(
-        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str | None = None,
-    ) -> None:  # fmt: skip
-        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
-
-    def configure_optimizers(self) -> Any:
-        return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory)

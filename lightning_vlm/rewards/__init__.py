@@ -1,6 +1,17 @@
 """Reward functions (plain callables), their weighted scoring, and reward models as reward functions."""
 
 from lightning_vlm.rewards.accuracy import answers_match, extract_answer, normalize
+from lightning_vlm.rewards.answers import (
+    count_reward,
+    levenshtein,
+    multiple_choice_reward,
+    numeric_reward,
+    ocr_reward,
+    parse_choice,
+    parse_count,
+    parse_number,
+)
+from lightning_vlm.rewards.boxes import box_giou, box_iou, giou_reward, iou_reward, parse_box
 from lightning_vlm.rewards.builtin import (
     BUILTIN_REWARDS,
     accuracy_reward,
@@ -19,6 +30,19 @@ from lightning_vlm.rewards.scoring import (
 )
 
 __all__ = [
+    "box_giou",
+    "box_iou",
+    "count_reward",
+    "giou_reward",
+    "iou_reward",
+    "levenshtein",
+    "multiple_choice_reward",
+    "numeric_reward",
+    "ocr_reward",
+    "parse_box",
+    "parse_choice",
+    "parse_count",
+    "parse_number",
     "BUILTIN_REWARDS",
     "RewardFunctionError",
     "RewardModel",

@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_vlm.rewards.accuracy import answers_match
+from lightning_vlm.rewards.answers import count_reward, multiple_choice_reward, numeric_reward, ocr_reward
+from lightning_vlm.rewards.boxes import giou_reward, iou_reward
 
 Completion = str | Sequence[Mapping[str, Any]]
 
@@ -192,4 +194,10 @@ BUILTIN_REWARDS = {
     "think_format_reward": think_format_reward,
     "answer_format_reward": answer_format_reward,
     "length_reward": length_reward,
+    "iou_reward": iou_reward,
+    "giou_reward": giou_reward,
+    "count_reward": count_reward,
+    "numeric_reward": numeric_reward,
+    "multiple_choice_reward": multiple_choice_reward,
+    "ocr_reward": ocr_reward,
 }

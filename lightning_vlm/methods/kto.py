@@ -1,0 +1,148 @@
+"""KTO (Ethayarajh et al. 2024) for VLMs: unpaired desirable / undesirable answers, TRL's loss and defaults.
+
+Each row is encoded together with its *mismatched* completion (the previous row's answer in the
+batch, TRL's rotation by one) as a pair that shares the row's prompt and images, so the vision tower
+runs once per row (``preference_batch.encode_pairs``). The matched answer gives the implicit reward
+r = logπ - logπ_ref; the mismatched ones, over every rank's rows, give the reference point z0. TRL
+fixes the rotation once at preprocessing and so must not shuffle; here it is taken per batch, so the
+data can be shuffled and every epoch sees new mismatched pairs. The reference is a frozen copy, or
+the policy with its LoRA adapters disabled (``ReferenceModel``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torchmetrics import MeanMetric
+
+from lightning_vlm.generation.hf import HFGenerator
+from lightning_vlm.losses.kto import KTO_LOSS_TYPES, kto_losses, kto_metrics, kto_reference_point
+from lightning_vlm.methods.common import (
+    FactoryOptimized,
+    greedy_answer_hits,
+    message_text,
+)
+from lightning_vlm.methods.preference_batch import encode_pairs, split_pairs
+from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_tokens
+from lightning_vlm.models.reference import ReferenceModel
+from lightning_vlm.models.vlm import VLM
+from lightning_vlm.parallel.collectives import gather_cat, mean_normalizer
+from lightning_vlm.settings_check import check_positive
+
+METRICS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+           "logps/chosen", "logps/rejected")  # fmt: skip
+
+
+def reference_answers(rows: list[dict]) -> list[str | None]:
+    """What greedy answers are scored against: the row's ``solution``, else a desirable completion."""
+    out: list[str | None] = []
+    for row in rows:
+        if row.get("solution") is not None:
+            out.append(str(row["solution"]))
+        else:
+            out.append(message_text(row["completion"][-1]) if row["label"] else None)
+    return out
+
+
+def desirable_answers(rows: list[dict]) -> list[str]:
+    """Answer texts whose length sets the validation generation length."""
+    return [a for a in reference_answers(rows) if a is not None] or [""]
+
+
+class KTO(FactoryOptimized):
+    """KTO with TRL's knobs: ``beta``, ``desirable_weight``, ``undesirable_weight``, ``loss_type``."""
+
+    def __init__(
+        self,
+        vlm: VLM,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+        beta: float = 0.1,
+        desirable_weight: float = 1.0,
+        undesirable_weight: float = 1.0,
+        loss_type: str = "kto",
+        one_vision_pass: bool = True,
+        max_length: int | None = None,
+        val_max_new_tokens: int | None = None,
+    ) -> None:
+        super().__init__()
+        check_setting(val_max_new_tokens)
+        check_positive("method.max_length", max_length, hint=" (tokens per sequence; null: no truncation)")
+        if loss_type not in KTO_LOSS_TYPES:
+            raise ValueError(f"method.loss_type must be one of {KTO_LOSS_TYPES}, got {loss_type!r}")
+        if not beta > 0 or desirable_weight < 0 or undesirable_weight < 0:
+            raise ValueError(
+                f"need beta > 0 and weights >= 0, got beta={beta}, desirable_weight={desirable_weight}, "
+                f"undesirable_weight={undesirable_weight}"
+            )
+        self.save_hyperparameters(ignore=["vlm", "optimizer", "scheduler"])
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        self.vlm = vlm
+        self.ref = ReferenceModel(vlm)
+        self.generator = HFGenerator(vlm)
+        self.val_metrics = torch.nn.ModuleDict({n.replace("/", "__"): MeanMetric() for n in METRICS})
+        self.val_answer_accuracy = MeanMetric()
+        self.val_new_tokens: int | None = None
+
+    def _loss(self, rows: list[dict], train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        hp = self.hparams
+        if hp.loss_type == "kto" and len(rows) < 2:
+            # The mismatched completion of a one-row batch is its own answer: z0 would be the reward itself.
+            raise ValueError("KTO's reference point needs batches of >= 2 rows (data.batch_size)")
+        # Row i with the previous row's completion (TRL's rotation): the mismatched answer for z0.
+        pairs = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": rows[i - 1]["completion"],
+                  "images": r.get("images", [])} for i, r in enumerate(rows)]  # fmt: skip
+        batch = encode_pairs(self.vlm, pairs, hp.max_length, hp.one_vision_pass)
+        inputs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.inputs.items()}
+        mask = batch.completion_mask.to(self.device)
+        logps, kl_logps = split_pairs(self.vlm.token_logps(inputs, mask)[0].sum(dim=1))
+        with torch.no_grad():
+            ref, kl_ref = split_pairs(self.ref.token_logps(inputs, mask)[0].sum(dim=1))
+        # Over every rank's rows (a collective on every step, validation included).
+        z0 = kto_reference_point(gather_cat((kl_logps - kl_ref).detach()))
+        desirable = torch.tensor([bool(r["label"]) for r in rows], device=self.device)
+        logratios = logps - ref
+        losses = kto_losses(logratios, desirable, z0, hp.beta, hp.desirable_weight, hp.undesirable_weight,
+                            hp.loss_type)  # fmt: skip
+        loss = losses.mean()
+        if train:
+            # Rescale this rank's mean so DDP's gradient average is the mean over all ranks' rows.
+            n = torch.tensor(float(len(rows)), device=loss.device)
+            loss = loss * n / mean_normalizer(n)
+        metrics = kto_metrics(logratios, desirable, z0, hp.beta, logps)
+        metrics["loss"] = loss.detach()
+        return loss, metrics
+
+    def training_step(self, rows: list[dict], batch_idx: int) -> torch.Tensor:
+        loss, metrics = self._loss(rows, train=True)
+        for name, value in metrics.items():
+            if not torch.isnan(value):  # a batch without one of the labels has no value for it
+                self.log(f"train/{name}", value, on_step=True, on_epoch=False, batch_size=len(rows),
+                         prog_bar=name in ("loss", "rewards/accuracies"))  # fmt: skip
+        return loss
+
+    def validation_step(self, rows: list[dict], batch_idx: int) -> None:
+        _, metrics = self._loss(rows, train=False)
+        for name, value in metrics.items():
+            metric = self.val_metrics[name.replace("/", "__")]
+            if not torch.isnan(value):
+                metric.update(value, weight=len(rows))
+            self.log(f"val/{name}", metric, prog_bar=name == "rewards/accuracies", batch_size=len(rows))
+        _, hits = greedy_answer_hits(self.generator, rows, reference_answers(rows), self.val_new_tokens)
+        self.val_answer_accuracy.update(torch.tensor(hits, device=self.device))
+        self.log("val/answer_accuracy", self.val_answer_accuracy, prog_bar=True, batch_size=len(rows))
+
+    def on_validation_start(self) -> None:
+        self.ref.to(self.device)  # the frozen copy is not a submodule: it follows the policy by hand
+        if self.val_new_tokens is None:
+            self.val_new_tokens = resolve_val_max_new_tokens(
+                self.hparams.val_max_new_tokens,
+                self.trainer.datamodule,
+                desirable_answers,
+                self.vlm.tokenizer,
+            )
+
+    def on_fit_start(self) -> None:
+        self.ref.to(self.device)

@@ -1,0 +1,110 @@
+"""KTO: the loss against hand-computed values (TRL's form of the paper's), the reference point, the
+ranking accuracy, unpaired rows and their errors, and one vision pass per row."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_vlm.data.rows import RowError, normalize_row
+from lightning_vlm.data.synthetic import synthetic_rows
+from lightning_vlm.losses.kto import kto_losses, kto_metrics, kto_reference_point, ranking_accuracy
+
+
+def sig(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
+
+
+def t(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def test_kto_loss_matches_hand_computation():
+    r, desirable = t(1.0, -1.0), torch.tensor([True, False])
+    losses = kto_losses(r, desirable, z0=0.5, beta=1.0)
+    # desirable: 1 - σ(β(r - z0)) = σ(-0.5); undesirable: 1 - σ(β(z0 - r)) = σ(-1.5)
+    torch.testing.assert_close(losses, t(sig(-0.5), sig(-1.5)))
+    weighted = kto_losses(r, desirable, z0=0.5, beta=2.0, desirable_weight=0.5, undesirable_weight=3.0)
+    torch.testing.assert_close(weighted, t(0.5 * sig(-1.0), 3.0 * sig(-3.0)))
+
+
+def test_apo_zero_unpaired_has_no_reference_point():
+    r, desirable = t(1.0, -1.0), torch.tensor([True, False])
+    losses = kto_losses(r, desirable, z0=123.0, beta=0.5, loss_type="apo_zero_unpaired")
+    torch.testing.assert_close(losses, t(1 - sig(0.5), sig(-0.5)))
+
+
+def test_the_gradient_raises_desirable_and_lowers_undesirable_rewards():
+    r = t(0.2, 0.2).requires_grad_()
+    kto_losses(r, torch.tensor([True, False]), z0=0.0, beta=0.1).sum().backward()
+    assert r.grad[0] < 0 < r.grad[1]
+
+
+def test_reference_point_is_the_detached_mean_clamped_at_zero():
+    kl = t(0.3, 0.9).requires_grad_()
+    z0 = kto_reference_point(kl)
+    assert z0.item() == pytest.approx(0.6) and not z0.requires_grad
+    assert kto_reference_point(t(-1.0, 0.2)).item() == 0.0  # a KL estimate below 0 is noise: clamp
+    assert kto_reference_point(t()).item() == 0.0
+
+
+def test_ranking_accuracy_is_the_share_of_desirable_over_undesirable_pairs():
+    rewards = t(1.0, 0.0, 0.5, 0.5)
+    desirable = torch.tensor([True, False, True, False])
+    # (1 > 0), (1 > 0.5), (0.5 > 0), (0.5 = 0.5) -> 3.5 / 4
+    assert ranking_accuracy(rewards, desirable).item() == pytest.approx(0.875)
+    assert torch.isnan(ranking_accuracy(rewards, torch.ones(4, dtype=torch.bool)))
+
+
+def test_metrics_follow_trls_names():
+    r, desirable = t(1.0, -1.0, 3.0), torch.tensor([True, False, True])
+    m = kto_metrics(r, desirable, torch.tensor(0.25), beta=0.1, logps=t(-1.0, -2.0, -3.0))
+    assert m["rewards/chosen"].item() == pytest.approx(0.2)  # β · mean(1, 3)
+    assert m["rewards/rejected"].item() == pytest.approx(-0.1)
+    assert m["rewards/margins"].item() == pytest.approx(0.3)
+    assert m["logps/chosen"].item() == pytest.approx(-2.0) and m["kl"].item() == 0.25
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"loss_type": "sigmoid"}, "KTO loss_type must be one of"), ({"beta": 0.0}, "beta must be > 0")],
+)
+def test_bad_settings_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        kto_losses(t(1.0), torch.tensor([True]), 0.0, **kwargs)
+
+
+def test_unpaired_rows_normalise_and_bad_labels_name_row_and_column():
+    row = {"prompt": "What color?", "completion": "red", "label": 1, "images": []}
+    out = normalize_row(row, "unpaired")
+    assert out["label"] is True and out["completion"][0]["role"] == "assistant"
+    with pytest.raises(RowError, match=r"row 7.*'label'.*'yes'"):
+        normalize_row({**row, "label": "yes"}, "unpaired", index=7)
+    with pytest.raises(RowError, match="label"):
+        normalize_row({"prompt": "p", "completion": "c"}, "unpaired", index=0)
+
+
+def test_synthetic_unpaired_rows_alternate_labels_one_per_prompt():
+    rows = synthetic_rows("unpaired", 6)
+    assert [r["label"] for r in rows] == [True, False] * 3
+    for r in rows:
+        answer = r["completion"][0]["content"][0]["text"]
+        assert (answer == r["solution"]) == r["label"]
+
+
+def test_one_vision_pass_per_row_gives_the_naive_log_probs(tiny_path):
+    # Each row is encoded with the previous row's answer as its mismatched completion: same images.
+    from lightning_vlm.methods.preference_batch import encode_pairs
+    from lightning_vlm.models.vlm import VLM
+
+    rows = synthetic_rows("unpaired", 3)
+    pairs = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": rows[i - 1]["completion"],
+              "images": r["images"]} for i, r in enumerate(rows)]  # fmt: skip
+    vlm = VLM(tiny_path())
+    once = encode_pairs(vlm, pairs, one_vision_pass=True)
+    naive = encode_pairs(vlm, pairs, one_vision_pass=False)
+    a, _ = vlm.token_logps(once.inputs, once.completion_mask)
+    b, _ = vlm.token_logps(naive.inputs, naive.completion_mask)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

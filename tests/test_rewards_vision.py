@@ -1,0 +1,281 @@
+"""Vision rewards on hand-made cases: box parsing, IoU/GIoU, and count, number, choice and OCR answers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lightning_vlm.rewards.answers import (
+    count_reward,
+    levenshtein,
+    multiple_choice_reward,
+    numeric_reward,
+    ocr_reward,
+    ocr_similarity,
+    parse_choice,
+    parse_number,
+)
+from lightning_vlm.rewards.boxes import box_giou, box_iou, giou_reward, iou_reward, parse_box
+
+# ---------------------------------------------------------------- box parsing
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[1, 2, 3, 4]", (1, 2, 3, 4)),
+        ("[1,2,3,4]", (1, 2, 3, 4)),
+        ("The box is (1.5, 2, 3.25, 4).", (1.5, 2, 3.25, 4)),
+        ("(1,2),(3,4)", (1, 2, 3, 4)),
+        ("( 1 , 2 ) ( 3 , 4 )", (1, 2, 3, 4)),
+        (
+            "<|object_ref_start|>cat<|object_ref_end|><|box_start|>(10,20),(30,40)<|box_end|>",
+            (10, 20, 30, 40),
+        ),
+        ('{"bbox_2d": [10, 20, 30, 40], "label": "cat"}', (10, 20, 30, 40)),
+        ('```json\n[{"bbox": [0.1, 0.2, 0.3, 0.4]}]\n```', (0.1, 0.2, 0.3, 0.4)),
+        ("[-5, -2.5, 3e1, 4]", (-5, -2.5, 30, 4)),
+        ("[2, 2, 2, 2]", (2, 2, 2, 2)),  # zero area parses
+        ("first [1, 2, 3, 4] then [5, 6, 7, 8]", (1, 2, 3, 4)),
+        ("<think>maybe [0, 0, 9, 9]</think><answer>[1, 2, 3, 4]</answer>", (1, 2, 3, 4)),
+        ("<answer>[0, 0, 9, 9]</answer><answer>[1, 2, 3, 4]</answer>", (1, 2, 3, 4)),
+    ],
+)
+def test_parse_box_syntaxes(text, expected):
+    assert parse_box(text) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "no box here",
+        "[1, 2, 3]",
+        "[1, 2, 3, 4, 5]",
+        "[1, 2, 3, 4)",
+        "[3, 2, 1, 4]",  # x2 < x1
+        "[1, 4, 3, 2]",  # y2 < y1
+        "[1e999, 0, 2e999, 1]",  # not finite
+        "[1, 2, 3, 4] <answer>none</answer>",  # the answer block holds no box
+    ],
+)
+def test_parse_box_rejects(text):
+    assert parse_box(text) is None
+
+
+def test_parse_box_formats_all_give_xyxy():
+    assert parse_box("[10, 20, 30, 40]", "xywh") == (10, 20, 40, 60)
+    assert parse_box("[10, 20, 4, 6]", "cxcywh") == (8, 17, 12, 23)
+    assert parse_box("(10,20),(30,40)", "xywh") == (10, 20, 40, 60)
+    assert parse_box("[10, 20, -1, 5]", "xywh") is None
+    with pytest.raises(ValueError, match="unknown box_format 'yxyx'"):
+        parse_box("[1, 2, 3, 4]", "yxyx")
+
+
+# ---------------------------------------------------------------- IoU and GIoU
+
+
+def test_iou_and_giou_hand_values():
+    a, b = (0, 0, 2, 2), (1, 1, 3, 3)
+    # Intersection 1, union 4 + 4 - 1 = 7, enclosing box 3 x 3 = 9.
+    assert box_iou(a, b) == pytest.approx(1 / 7)
+    assert box_giou(a, b) == pytest.approx(1 / 7 - (9 - 7) / 9)
+    assert box_iou(a, b) == box_iou(b, a) and box_giou(a, b) == box_giou(b, a)
+    # Disjoint: IoU 0, GIoU -(hull - union) / hull with hull 3 x 2 = 6, union 1 + 2; touching: 0.
+    assert box_iou((0, 0, 1, 1), (2, 0, 3, 2)) == 0.0
+    assert box_giou((0, 0, 1, 1), (2, 0, 3, 2)) == pytest.approx(-(6 - 3) / 6)
+    assert box_giou((0, 0, 1, 1), (1, 0, 2, 1)) == pytest.approx(0.0)
+    # Far apart tends to -1.
+    assert box_giou((0, 0, 1, 1), (1000, 1000, 1001, 1001)) == pytest.approx(-1.0, abs=1e-5)
+    # Containment: the hull is the outer box, so GIoU equals IoU.
+    inner, outer = (1, 1, 2, 2), (0, 0, 4, 4)
+    assert box_iou(inner, outer) == pytest.approx(1 / 16)
+    assert box_giou(inner, outer) == pytest.approx(1 / 16)
+    assert box_iou(a, a) == 1.0 and box_giou(a, a) == 1.0
+
+
+def test_zero_area_boxes():
+    point = (1, 1, 1, 1)
+    assert box_iou(point, point) == 1.0 and box_giou(point, point) == 1.0
+    assert box_iou(point, (0, 0, 2, 2)) == 0.0
+    assert box_giou(point, (0, 0, 2, 2)) == pytest.approx(0.0)  # hull is the box: 0 - 0/4
+    assert box_iou(point, (2, 2, 2, 2)) == 0.0 and box_giou(point, (2, 2, 2, 2)) == -1.0
+    assert box_giou((0, 0, 0, 0), (3, 0, 3, 0)) == -1.0  # hull without area
+
+
+def test_iou_reward_values_threshold_and_missing():
+    completions = ["[0, 0, 2, 2]", "<answer>[1, 1, 3, 3]</answer>", "no box", "[0, 0, 2, 2]", "[5, 5, 6, 6]"]
+    solution = ["[1, 1, 3, 3]", "[1, 1, 3, 3]", "[1, 1, 3, 3]", None, (0, 0, 2, 2)]
+    assert iou_reward(completions, solution) == pytest.approx([1 / 7, 1.0, 0.0, None, 0.0])
+    binary = iou_reward(completions, solution, threshold=0.5)
+    assert binary == [0.0, 1.0, 0.0, None, 0.0]
+    assert iou_reward(["[0, 0, 2, 2]"], ["[1, 1, 3, 3]"], threshold=1 / 7) == [1.0]
+    with pytest.raises(ValueError, match="threshold"):
+        iou_reward(completions, solution, threshold=1.5)
+
+
+def test_giou_reward_is_rescaled_to_unit_interval():
+    completions = ["[0, 0, 2, 2]", "[1, 1, 3, 3]", "garbage", "[100, 100, 101, 101]"]
+    rewards = giou_reward(completions, ["[1, 1, 3, 3]"] * 4)
+    assert rewards[0] == pytest.approx((1 / 7 - 2 / 9 + 1) / 2)
+    assert rewards[1] == 1.0
+    assert rewards[2] == 0.0  # no box: the minimum, below any box
+    assert 0.0 < rewards[3] < 0.05
+
+
+def test_box_rewards_in_normalized_and_pixel_coordinates_agree():
+    pixel = iou_reward(["[0, 0, 200, 200]"], ["[100, 100, 300, 300]"])
+    normalized = iou_reward(["[0, 0, 0.2, 0.2]"], ["[0.1, 0.1, 0.3, 0.3]"], coordinates="normalized")
+    norm1000 = giou_reward(["(0,0),(200,200)"], [[100, 100, 300, 300]], coordinates="norm1000")
+    assert pixel == pytest.approx([1 / 7]) and normalized == pytest.approx([1 / 7])
+    assert norm1000 == pytest.approx([(1 / 7 - 2 / 9 + 1) / 2])
+    # A normalised completion past the image edge is clipped to it.
+    assert iou_reward(["[0.5, 0.5, 1.5, 1.5]"], ["[0.5, 0.5, 1, 1]"], coordinates="normalized") == [1.0]
+    # xywh applies to the solution too.
+    assert iou_reward(["[1, 1, 2, 2]"], ["[1, 1, 2, 2]"], box_format="xywh") == [1.0]
+
+
+def test_box_reward_errors():
+    with pytest.raises(ValueError, match=r"iou_reward needs a `solution` column.*\['prompts'\]"):
+        iou_reward(["[1, 2, 3, 4]"], prompts=["p"])
+    with pytest.raises(ValueError, match=r"giou_reward: row 1: cannot read a box from the solution 'left'"):
+        giou_reward(["[1, 2, 3, 4]"] * 2, ["[1, 2, 3, 4]", "left"])
+    with pytest.raises(ValueError, match=r"iou_reward: row 0: cannot read a box.*\[1, 2\]"):
+        iou_reward(["[1, 2, 3, 4]"], [[1, 2]])
+    with pytest.raises(
+        ValueError, match=r"row 0: the solution box .* outside 0..1 of coordinates='normalized'"
+    ):
+        iou_reward(["[1, 2, 3, 4]"], ["[10, 20, 30, 40]"], coordinates="normalized")
+    with pytest.raises(ValueError, match="unknown coordinates 'percent'"):
+        iou_reward([], [], coordinates="percent")
+
+
+def test_box_rewards_take_conversational_completions():
+    plain = [{"role": "assistant", "content": "It is at [0, 0, 2, 2]."}]
+    typed = [{"role": "assistant", "content": [{"type": "text", "text": '{"bbox_2d": [1, 1, 3, 3]}'}]}]
+    assert iou_reward([plain, typed], solution=["[0, 0, 2, 2]", "[0, 0, 2, 2]"]) == pytest.approx(
+        [1.0, 1 / 7]
+    )
+
+
+# ---------------------------------------------------------------- counts and numbers
+
+
+def test_count_reward_words_and_digits():
+    completions = [
+        "three",
+        "There are 3 shapes.",
+        "<answer>Two</answer>",
+        "3.0",
+        "twenty",
+        "four",
+        "none",
+        "3rd",
+    ]
+    solution = [3, "3", "two", "three", 20, 3, 3, 3]
+    assert count_reward(completions, solution) == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    assert count_reward(["twenty-one", "one"], ["1", None]) == [0.0, None]
+    with pytest.raises(ValueError, match=r"count_reward: row 0: cannot read a count .* 'many'"):
+        count_reward(["3"], ["many"])
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("1,234.5", 1234.5),
+        ("3/4", 0.75),
+        ("-2", -2.0),
+        ("50%", 50.0),
+        ("about .5 m", 0.5),
+        ("x = 1e-3", 1e-3),
+    ],
+)
+def test_parse_number(text, value):
+    assert parse_number(text) == pytest.approx(value)
+
+
+def test_parse_number_none():
+    assert parse_number("no digits") is None
+    assert parse_number("1/0") is None
+
+
+def test_numeric_reward_tolerance_edges():
+    assert numeric_reward(["<answer>1,234.5</answer>", "3/4", "0.7500", "2"], ["1234.5", 0.75, "3/4", 3]) == [
+        1.0,
+        1.0,
+        1.0,
+        0.0,
+    ]
+    assert numeric_reward(["1.0000001"], [1.0]) == [0.0]  # exact by default
+    assert numeric_reward(["101", "102"], [100, 100], rel_tol=0.01) == [1.0, 0.0]
+    assert numeric_reward(["0.001"], [0], rel_tol=0.5) == [0.0]  # relative to 0, nothing is close
+    assert numeric_reward(["0.001", "0.0011"], [0, 0], abs_tol=0.001) == [1.0, 0.0]
+    assert numeric_reward(["no number", "5"], ["5", float("nan")]) == [0.0, None]
+    with pytest.raises(ValueError, match=r"numeric_reward: row 0: cannot read a number"):
+        numeric_reward(["5"], ["five"])
+    with pytest.raises(ValueError, match="tolerances"):
+        numeric_reward(["5"], ["5"], rel_tol=-1)
+
+
+# ---------------------------------------------------------------- multiple choice
+
+
+@pytest.mark.parametrize(
+    ("text", "letter"),
+    [
+        ("B", "B"),
+        ("b", "B"),
+        ("(B)", "B"),
+        ("B.", "B"),
+        ("Answer: B", "B"),
+        ("the answer is b", "B"),
+        ("The correct option is (c) because it is red.", "C"),
+        ("B. The blue one", "B"),
+        ("A cat is shown, so the answer is D.", "D"),
+        ("the answer is a.", "A"),
+        ("<think>A or B?</think><answer>B</answer>", "B"),
+        ("B, as B is blue", "B"),
+        ("B or C", None),
+        ("The answer is B, not C.", None),
+        ("the answer is a cat", None),
+        ("nothing", None),
+        ("Z", None),
+    ],
+)
+def test_parse_choice(text, letter):
+    assert parse_choice(text) == letter
+
+
+def test_multiple_choice_reward():
+    completions = ["(B)", "answer is c", "B or C", "D", [{"role": "assistant", "content": "Answer: A"}]]
+    assert multiple_choice_reward(completions, ["B", "C", "B", "(d)", "a"]) == [1.0, 1.0, 0.0, 1.0, 1.0]
+    # Letters outside the choices are not options.
+    assert multiple_choice_reward(["E", "B (see E)"], ["B", "B"], choices="ABCD") == [0.0, 1.0]
+    with pytest.raises(ValueError, match=r"row 1: cannot read one option letter .* 'maybe'"):
+        multiple_choice_reward(["B", "B"], ["B", "maybe"])
+    with pytest.raises(ValueError, match="distinct letters"):
+        multiple_choice_reward(["B"], ["B"], choices="AAB")
+
+
+# ---------------------------------------------------------------- OCR
+
+
+def test_levenshtein_hand_values():
+    assert levenshtein("kitten", "sitting") == 3
+    assert levenshtein("sitting", "kitten") == 3
+    assert levenshtein("", "abc") == 3 and levenshtein("abc", "") == 3
+    assert levenshtein("flaw", "lawn") == 2
+    assert levenshtein("same", "same") == 0
+
+
+def test_ocr_similarity_and_reward():
+    assert ocr_similarity("kitten", "sitting") == pytest.approx(1 - 3 / 7)
+    assert ocr_similarity("", "") == 1.0
+    assert ocr_similarity("", "abc") == 0.0
+    assert ocr_similarity("  Hello   World ", "hello world") == 1.0
+    assert ocr_similarity("Hello", "hello", normalize=False) == pytest.approx(0.8)
+    rewards = ocr_reward(["<answer>STOP</answer>", "kitten", "x"], ["stop", "sitting", None])
+    assert rewards[0] == 1.0 and rewards[1] == pytest.approx(1 - 3 / 7) and rewards[2] is None
+    assert math.isclose(ocr_reward(["Stop."], ["stop"], normalize=False)[0], 1 - 2 / 5)
+    with pytest.raises(ValueError, match="ocr_reward needs a `solution` column"):
+        ocr_reward(["x"])
