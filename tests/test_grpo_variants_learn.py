@@ -19,37 +19,23 @@ from lightning_vlm.training import train
 
 QUIET = ["logger=csv", "callbacks=none", "validate_before_fit=true", "trainer.enable_progress_bar=false"]
 STEPS = 150
-# DAPO's soft overlong penalty on characters: a second reward that varies within groups
+# DAPO's soft overlong penalty on characters, past every colour word (6 letters at most): a second reward
+# that only rambling answers lose. (A penalty from 5 letters on measured 0.38 -> 0.41: GDPO weighs it as
+# much as accuracy, and short wrong colours then win.)
 LENGTH = (
-    "{_target_:lightning_vlm.rewards.length_reward,_partial_:true,max_length:8,cache_length:4,unit:chars}"
+    "{_target_:lightning_vlm.rewards.length_reward,_partial_:true,max_length:12,cache_length:4,unit:chars}"
 )
 VARIANTS = {
-    "cispo_gdpo": [
-        "method.loss_type=cispo",
-        "method.epsilon_high=5.0",
-        "method.multi_objective_aggregation=normalize_then_sum",
-        f"method.reward_funcs=[accuracy_reward,{LENGTH}]",
-    ],  # fmt: skip
+    "cispo_gdpo": ["method.loss_type=cispo", "method.epsilon_high=5.0",
+                   "method.multi_objective_aggregation=normalize_then_sum",
+                   f"method.reward_funcs=[accuracy_reward,{LENGTH}]"],
     "sapo": ["method.loss_type=sapo"],
-    "luspo_delta_mask_kl": [
-        "method.loss_type=luspo",
-        "method.importance_sampling_level=sequence",
-        "method.delta=4.0",
-        "method.off_policy_mask_threshold=0.5",
-        "method.beta=0.04",
-        "method.use_bias_correction_kl=true",
-        "method.steps_per_generation=2",
-    ],  # fmt: skip
-    "vespo_entropy_gdpo": [
-        "method.loss_type=vespo",
-        "method.use_adaptive_entropy=true",
-        "method.entropy_target=2.0",
-        "method.entropy_coef_max=0.01",
-        "method.entropy_coef_delta=0.001",
-        "method.multi_objective_aggregation=normalize_then_sum",
-        f"method.reward_funcs=[accuracy_reward,{LENGTH}]",
-    ],  # fmt: skip
-}
+    "luspo_delta_mask_kl": ["method.loss_type=luspo", "method.importance_sampling_level=sequence",
+                            "method.delta=4.0", "method.off_policy_mask_threshold=0.5", "method.beta=0.04",
+                            "method.use_bias_correction_kl=true", "method.steps_per_generation=2"],
+    "vespo_entropy": ["method.loss_type=vespo", "method.use_adaptive_entropy=true", "method.entropy_target=2.0",
+                      "method.entropy_coef_max=0.01", "method.entropy_coef_delta=0.001"],
+}  # fmt: skip
 
 
 @pytest.mark.slow
