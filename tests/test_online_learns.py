@@ -54,7 +54,8 @@ def test_default_online_job_raises_accuracy_reward(method, tmp_path):
     print(
         f"{method} default: sampled accuracy reward {before:.3f} -> {after:.3f} in {time.time() - start:.0f} s"
     )
-    assert after - before >= 0.2, (method, before, after)
+    # Online DPO pairs the best and worst of 4 candidates (issue 13: TRL's two samples gave 0.38 -> 0.63)
+    assert after - before >= (0.4 if method == "online_dpo" else 0.2), (method, before, after)
 
 
 @pytest.mark.slow
