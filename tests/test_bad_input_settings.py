@@ -83,7 +83,8 @@ TRAIN_CASES = [
     (["method=grpo", "method.dynamic_sampling={enabled:true,filter:std}"], InstantiationException,
      r"dynamic_sampling\.filter 'std' is unknown", NEW),
     (["method=dpo", "method.sft_normalization=tokens"], InstantiationException, r"sft_normalization must be one of", NEW),
-    (["method=kto", "data.batch_size=1"], ValueError, r"KTO's reference point needs batches of >= 2 rows", NEW),
+    (["method=dpo", "method.sft_normalization=token_mean"], InstantiationException, r"applies to the sft term", NEW),
+    (["method=grpo", "method.use_bias_correction_kl=true"], InstantiationException, r"needs method\.beta > 0", NEW),
     (["method=kto", "method.loss_type=sigmoid"], InstantiationException, r"method\.loss_type must be one of \('kto'", NEW),
     (["method=online_dpo", "method.num_candidates=1"], InstantiationException, r"num_candidates .* must be >= 2", NEW),
 ]  # fmt: skip

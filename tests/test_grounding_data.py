@@ -34,7 +34,7 @@ def test_box_is_the_target_pixels_and_the_distractor_is_elsewhere(image_size, gr
     cell = image_size // grid
     shapes = set()
     for index in range(24):
-        sample = make_grounding_sample(0, index, image_size, grid)
+        sample = make_grounding_sample(0, index, image_size, grid, distractor=True)
         shapes.add(sample.shape)
         x1, y1, x2, y2 = sample.box
         assert x2 - x1 == cell and y2 - y1 == cell and x1 % cell == 0 and y1 % cell == 0
@@ -48,9 +48,16 @@ def test_box_is_the_target_pixels_and_the_distractor_is_elsewhere(image_size, gr
     assert len(shapes) > 1
 
 
+def test_the_built_in_task_draws_the_target_alone():
+    sample = make_grounding_sample(0, 0)
+    assert _pixel_box(sample.image, sample.color) == sample.box
+    # the distractor cell stays empty (it is still the preference rows' rejected box)
+    assert _pixel_box(sample.image, sample.distractor_color) is None
+
+
 def test_background_differs_from_both_colours():
     for index in range(20):
-        sample = make_grounding_sample(1, index)
+        sample = make_grounding_sample(1, index, distractor=True)
         pixels = {tuple(p) for p in np.asarray(sample.image).reshape(-1, 3)}
         # Background, target, distractor and nothing else (no blended edges).
         background = pixels - {COLORS[sample.color], COLORS[sample.distractor_color]}
@@ -78,7 +85,7 @@ def test_rows_in_the_three_shapes():
     assert preference[0]["chosen"][0]["content"][0]["text"] == sample.answer
     assert preference[0]["rejected"][0]["content"][0]["text"] == sample.wrong_answer
     assert [r["solution"] for r in prompt] == [make_grounding_sample(1, i).answer for i in range(3)]
-    assert len(sft[0]["images"]) == 1 and sft[0]["images"][0].size == (96, 96)
+    assert len(sft[0]["images"]) == 1 and sft[0]["images"][0].size == (56, 56)
 
 
 def test_bad_arguments():

@@ -108,3 +108,15 @@ def test_one_vision_pass_per_row_gives_the_naive_log_probs(tiny_path):
     a, _ = vlm.token_logps(once.inputs, once.completion_mask)
     b, _ = vlm.token_logps(naive.inputs, naive.completion_mask)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_one_row_batch_adds_nothing_to_the_reference_point(tiny_path, caplog):
+    # An epoch's last batch may hold one row: no mismatched answer, so z0 = 0 here, and no error (under
+    # DDP a raising rank would leave the others waiting in the gather).
+    from lightning_vlm.methods.kto import KTO
+    from lightning_vlm.models.vlm import VLM
+
+    module = KTO(VLM(tiny_path()), optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
+    loss, metrics = module._loss(synthetic_rows("unpaired", 1), train=False)
+    assert torch.isfinite(loss) and metrics["kl"].item() == 0.0
+    assert "adds nothing to the reference point" in caplog.text

@@ -238,6 +238,9 @@ def test_numeric_reward_tolerance_edges():
         ("B or C", None),
         ("The answer is B, not C.", None),
         ("the answer is a cat", None),
+        ("A is correct", "A"),  # a verb follows: the option, not the article
+        ("I think A fits best", "A"),
+        ("A red circle, so C", "C"),
         ("nothing", None),
         ("Z", None),
     ],

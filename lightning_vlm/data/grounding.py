@@ -89,10 +89,8 @@ def make_grounding_sample(
     draw = ImageDraw.Draw(image)
     box = cell_box(target_cell, grid, cell_size)
     distractor_box = cell_box(distractor_cell, grid, cell_size)
-    import os
-
     drawn = [(shape, box, color), (distractor_shape, distractor_box, distractor_color)]
-    for drawn_shape, drawn_box, drawn_color in drawn[: 1 if os.environ.get("NO_DISTRACTOR") else 2]:
+    for drawn_shape, drawn_box, drawn_color in drawn[: 2 if distractor else 1]:
         # PIL's shape boxes include their right and bottom pixel; the cell's edges exclude them.
         x1, y1, x2, y2 = drawn_box
         _draw_shape(draw, drawn_shape, (x1, y1, x2 - 1, y2 - 1), COLORS[drawn_color])

@@ -12,7 +12,9 @@ weighs a token by the length of its micro-batch. Two framework scalings must be 
 caller: Lightning's automatic optimisation divides each micro-batch loss by
 ``accumulate_grad_batches`` (multiply it back, or use manual optimisation), and DDP averages
 gradients over ranks (pass the global normaliser divided by the world size, as TRL does).
-"bnpo" is local by definition and is not accumulation-invariant.
+"bnpo" is local by definition and is not accumulation-invariant. The newer types reduce like one of
+these (cispo and vespo as "dapo", sapo as "grpo"; luspo sums over tokens and divides by sequences), so
+the same holds for them; the entropy bonus divides by the step's tokens for every type.
 """
 
 from __future__ import annotations
@@ -193,6 +195,7 @@ def policy_loss(
     entropy_mask: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    policy_scale: float | torch.Tensor = 1.0,
     max_completion_length: int | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     num_sequences_in_batch: int | float | torch.Tensor | None = None,
@@ -204,9 +207,10 @@ def policy_loss(
     mask (``off_policy_mask_threshold``, against ``sampler_logps``, else ``old_logps``), × ``entropy_mask``,
     × the rollout IS weights (not for vespo, which folds them into its weight), + β·k3 KL (× the
     ratio π/π_old with ``use_bias_correction_kl``, DeepSeek-V3.2's unbiased KL estimate), aggregated,
-    and minus ``entropy_coef`` times the mean entropy of the tokens trained on (``entropy`` must carry
-    its gradient; divided by ``num_items_in_batch`` for every loss type, so micro-batching does not
-    change it, where TRL divides by the local token count for the non-dapo types).
+    times ``policy_scale`` (bnpo's share of the step), and minus ``entropy_coef`` times the mean entropy
+    of the tokens trained on when ``entropy`` is given (it must carry its gradient; divided by
+    ``num_items_in_batch`` for every loss type, so micro-batching does not change it, where TRL divides
+    by the local token count for the non-dapo types; ``policy_loss`` is then the part before the bonus).
 
     ``old_logps=None`` means on-policy (one optimisation step per generation): π_old = sg[π], so
     r = 1 in value but gradients still flow. The IS weights correct for sampling from the rollout
@@ -243,10 +247,10 @@ def policy_loss(
             kl = kl * torch.exp(importance_ratio(logps, old_logps, mask, level))
         per_token = per_token + beta * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask)
-    loss = aggregate(
+    loss = policy_scale * aggregate(
         per_token, mask, loss_type, max_completion_length, num_items_in_batch, num_sequences_in_batch
     )
-    if entropy is not None and entropy_coef != 0.0:
+    if entropy is not None:
         metrics["policy_loss"] = loss.detach()
         trained = mask.to(entropy.dtype) * (1.0 if entropy_mask is None else entropy_mask.detach())
         tokens = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch

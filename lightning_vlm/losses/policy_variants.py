@@ -70,8 +70,8 @@ def vespo_weights(
 
     w_i = Π_t π/π_old over the sequence (a sum of token log-ratios, not GSPO's mean), times the
     rollout-correction ratios when given (``log_is_weights``, token level: they are folded into w
-    rather than multiplied afterwards). Logs are clamped to [log 1e-8, 20] as the authors' code
-    does; φ = exp(λ + k·log w - λ·w) peaks at w = k/λ and is 1 at w = 1. (k, λ) are the positive pair
+    rather than multiplied afterwards). As in the authors' code, token log-ratios are clamped to
+    [-20, 20] and the IS logs and the summed log w to [log 1e-8, 20]; φ = exp(λ + k·log w - λ·w) peaks at w = k/λ and is 1 at w = 1. (k, λ) are the positive pair
     for A ≥ 0, else the negative one; non-finite φ become 0.
     """
     m = mask.to(log_ratio.dtype)

@@ -67,6 +67,9 @@ class DPO(FactoryOptimized):
                 f"loss_type must be a list of names, e.g. [{loss_type}], not the string {loss_type!r}"
             )
         loss_type = [str(t) for t in loss_type]
+        if sft_normalization == "token_mean" and "sft" not in loss_type:
+            raise ValueError(f"method.sft_normalization={sft_normalization!r} applies to the sft term, which "
+                             f"loss_type {loss_type} does not have")  # fmt: skip
         loss_weights = None if loss_weights is None else [float(w) for w in loss_weights]
         # Factories stay out of hparams: checkpoints then hold plain values and load with weights_only=True.
         self.save_hyperparameters(ignore=["vlm", "optimizer", "scheduler"])

@@ -86,7 +86,10 @@ class GRPO(OnlineRL):
                "loss_type=cispo caps the IS weight at epsilon_high, an absolute bound (MiniMax-M1's eps_max; "
                "ScaleRL uses 5.0): set method.epsilon_high")  # fmt: skip
         _check(delta is None or delta > 1.0, f"delta (two-sided clipping) must be > 1, got {delta}")
-        _check(sapo_temperature_pos > 0 and sapo_temperature_neg > 0, "sapo temperatures must be > 0")
+        _check(sapo_temperature_pos > 0 and sapo_temperature_neg > 0,
+               f"sapo temperatures must be > 0, got {sapo_temperature_pos}, {sapo_temperature_neg}")  # fmt: skip
+        _check(not use_bias_correction_kl or online.get("beta", 0.0) > 0,
+               "use_bias_correction_kl corrects the KL term: it needs method.beta > 0")  # fmt: skip
         _check(off_policy_mask_threshold is None or off_policy_mask_threshold >= 0,
                f"off_policy_mask_threshold must be >= 0, got {off_policy_mask_threshold}")  # fmt: skip
         super().__init__(vlm, optimizer, **online)
@@ -135,11 +138,15 @@ class GRPO(OnlineRL):
         if is_weights is not None and hp.loss_type == "vespo" and self.is_level != "token":
             raise ValueError(
                 "loss_type=vespo folds the rollout IS ratios into its sequence weight, one per token: set "
-                "method.vllm_importance_sampling_mode to token_truncate or token_mask"
+                "method.vllm_importance_sampling_mode to token_truncate (token_mask zeroes a whole sequence "
+                "for one masked token, as in TRL and the authors' code)"
             )
+        bonus = hp.entropy_coef != 0.0 or self.entropy_control is not None
         if self.entropy_control is not None and entropy is not None:
-            trained = mask if entropy_mask is None else entropy_mask
-            self._step_entropy += torch.stack([(entropy.detach() * trained).sum(), trained.sum()]).cpu()
+            # Skywork-OR1's controller watches the mean entropy of every response token (the top-entropy
+            # subset's mean would sit above any target).
+            step = torch.stack([(entropy.detach() * mask).sum(), mask.sum()])
+            self._step_entropy = self._step_entropy.to(step.device) + step
         loss, stats = policy_loss(
             logps,
             None if batch.old_logps is None else batch.old_logps[index],
@@ -159,19 +166,20 @@ class GRPO(OnlineRL):
             off_policy_mask_threshold=hp.off_policy_mask_threshold,
             use_bias_correction_kl=hp.use_bias_correction_kl,
             entropy_mask=entropy_mask,
-            entropy=entropy,
+            entropy=entropy if bonus else None,
             entropy_coef=self.entropy_coef,
+            # bnpo is local by definition (TRL): each micro-batch's token mean, weighted by its share of the step.
+            policy_scale=len(index) / step.sequences if hp.loss_type == "bnpo" else 1.0,
             max_completion_length=self.sampling.max_new_tokens,
             # Normalisers of the whole optimizer step over all ranks, so neither accumulation nor the
             # number of processes changes the update.
             num_items_in_batch=step.tokens,
             num_sequences_in_batch=step.sequences,
         )
-        if hp.loss_type == "bnpo":
-            # Local by definition (TRL): each micro-batch's token mean, weighted by its share of the step.
-            loss = loss * len(index) / step.sequences
-        if hp.entropy_coef != 0.0 or self.entropy_control is not None:
+        if bonus:
             stats["entropy_coef"] = torch.tensor(self.entropy_coef, device=loss.device)
+            # A share of the step's loss, like the loss: the loop weighs stats by the micro-batch's size.
+            stats["policy_loss"] = stats["policy_loss"] * len(step.index) / len(index)
         return loss, stats
 
     def on_policy_update(self) -> None:
@@ -180,7 +188,7 @@ class GRPO(OnlineRL):
             return
         # The step's mean entropy over every rank's trained tokens (one small collective).
         total, count = all_reduce_sum(self._step_entropy.to(self.device)).tolist()
-        self._step_entropy.zero_()
+        self._step_entropy = torch.zeros(2, device=self.device)
         if count > 0:
             self.entropy_control.update(total / count)
 

@@ -11,6 +11,7 @@ the policy with its LoRA adapters disabled (``ReferenceModel``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ from lightning_vlm.models.vlm import VLM
 from lightning_vlm.parallel.collectives import gather_cat, mean_normalizer
 from lightning_vlm.settings_check import check_positive
 
+log = logging.getLogger(__name__)
 METRICS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
            "logps/chosen", "logps/rejected")  # fmt: skip
 
@@ -88,9 +90,6 @@ class KTO(FactoryOptimized):
 
     def _loss(self, rows: list[dict], train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         hp = self.hparams
-        if hp.loss_type == "kto" and len(rows) < 2:
-            # The mismatched completion of a one-row batch is its own answer: z0 would be the reward itself.
-            raise ValueError("KTO's reference point needs batches of >= 2 rows (data.batch_size)")
         # Row i with the previous row's completion (TRL's rotation): the mismatched answer for z0.
         pairs = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": rows[i - 1]["completion"],
                   "images": r.get("images", [])} for i, r in enumerate(rows)]  # fmt: skip
@@ -100,8 +99,15 @@ class KTO(FactoryOptimized):
         logps, kl_logps = split_pairs(self.vlm.token_logps(inputs, mask)[0].sum(dim=1))
         with torch.no_grad():
             ref, kl_ref = split_pairs(self.ref.token_logps(inputs, mask)[0].sum(dim=1))
+        kl = (kl_logps - kl_ref).detach()
+        if len(rows) < 2:
+            # A one-row batch (an epoch's last) has no mismatched answer: its own would make z0 the reward
+            # itself. It adds nothing to z0 (0 if no rank has a pair), and never raises: under DDP the
+            # other ranks would then wait in the gather below.
+            log.warning("KTO: a batch of one row adds nothing to the reference point z0")
+            kl = kl[:0]
         # Over every rank's rows (a collective on every step, validation included).
-        z0 = kto_reference_point(gather_cat((kl_logps - kl_ref).detach()))
+        z0 = kto_reference_point(gather_cat(kl))
         desirable = torch.tensor([bool(r["label"]) for r in rows], device=self.device)
         logratios = logps - ref
         losses = kto_losses(logratios, desirable, z0, hp.beta, hp.desirable_weight, hp.undesirable_weight,

@@ -1,6 +1,6 @@
 """Online DPO (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback"), as TRL's.
 
-Each prompt gets two sampled completions; the reward functions (or a reward model) pick the chosen
+Each prompt gets a pair of sampled completions; the reward functions (or a reward model) pick the chosen
 one, and the DPO loss (sigmoid or ipo) is applied against the reference model. The training forward
 always carries the prompt's pixel inputs (a bug TRL users hit under vLLM).
 

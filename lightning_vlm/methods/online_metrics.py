@@ -81,8 +81,9 @@ def log_synced(module: L.LightningModule, values: dict[str, torch.Tensor], batch
     """
     for reduce in ("min", "max", "mean"):
         part = {
-            k: v for k, v in values.items() if (k.endswith(f"/{reduce}") if reduce != "mean" else
-                                                 not k.endswith(("/min", "/max")))
+            # on the module's device: NCCL cannot reduce a CPU tensor
+            k: v.to(module.device) for k, v in values.items() if (k.endswith(f"/{reduce}") if reduce != "mean"
+                                                                  else not k.endswith(("/min", "/max")))
         }  # fmt: skip
         if part:
             module.log_dict(part, batch_size=batch_size, sync_dist=True, reduce_fx=reduce)

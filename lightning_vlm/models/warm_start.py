@@ -39,8 +39,8 @@ class WarmStart:
 
 
 # Not the SFT defaults: those train to convergence, these stop early so the RL methods have something
-# left to learn (measured: greedy colour answers ~0.7 after 80 steps; grounding boxes ~0.33, chance
-# plus the format, after 100 steps of the 2 x 2 task on tiny Idefics3).
+# left to learn (measured: greedy colour answers ~0.7 after 80 steps; greedy grounding boxes 0.66, sampled
+# IoU 0.45, after 250 steps of the 2 x 2 task on tiny Idefics3).
 WARM_STARTS: dict[str, WarmStart] = {
     "sft": WarmStart(80, 1e-3),
     "sft_grounding": WarmStart(

@@ -38,7 +38,11 @@ _WHOLE_CHOICE = re.compile(r"\s*[(\[]?\s*([A-Za-z])\s*[)\]]?\s*[.:]?\s*")
 _PAREN_CHOICE = re.compile(r"[(\[]\s*([A-Za-z])\s*[)\]]")
 _CUE_CHOICE = re.compile(r"\b(?:answer|option|choice)(?:\s+is)?\s*[:=]?\s*[(\[]?\s*([A-Za-z])(?![\w'])", re.I)
 _UPPER_CHOICE = re.compile(r"(?<![\w'])([A-Z])(?![\w'])")
-_ARTICLE_NEXT = re.compile(r"\s+[a-z]")
+_ARTICLE_NEXT = re.compile(r"\s+([a-z]+)")
+# Words after a letter that make it an option, not the article: "A is correct", "I think A fits".
+_OPTION_VERBS = frozenset(
+    {"is", "was", "seems", "looks", "fits", "matches", "would", "should", "must", "can"}
+)
 
 
 def score_with_reference(
@@ -159,15 +163,22 @@ def numeric_reward(
     )
 
 
+def _is_article(answer: str, letter: str, end: int) -> bool:
+    """Whether ``letter`` ("A" or "a") ending at ``end`` reads as the article: a lower-case word follows
+    and it is not a verb ("a cat" is the article, "A is right" the option)."""
+    follow = _ARTICLE_NEXT.match(answer, end)
+    return letter in "Aa" and follow is not None and follow.group(1) not in _OPTION_VERBS
+
+
 def _choice_mentions(answer: str) -> set[str]:
     mentions = {m.group(1).upper() for m in _PAREN_CHOICE.finditer(answer)}
     for match in _CUE_CHOICE.finditer(answer):
         # "the answer is a cat": a lower-case "a" followed by a word is the article.
-        if not (match.group(1) == "a" and _ARTICLE_NEXT.match(answer, match.end())):
+        if not (match.group(1) == "a" and _is_article(answer, "a", match.end())):
             mentions.add(match.group(1).upper())
     for match in _UPPER_CHOICE.finditer(answer):
         # Lone capitals are options ("B is right", "B. blue"), except the article opening a sentence.
-        if not (match.group(1) == "A" and _ARTICLE_NEXT.match(answer, match.end())):
+        if not _is_article(answer, match.group(1), match.end()):
             mentions.add(match.group(1))
     return mentions
 
