@@ -145,8 +145,8 @@ class GRPO(OnlineRL):
         if self.entropy_control is not None and entropy is not None:
             # Skywork-OR1's controller watches the mean entropy of every response token (the top-entropy
             # subset's mean would sit above any target).
-            step = torch.stack([(entropy.detach() * mask).sum(), mask.sum()])
-            self._step_entropy = self._step_entropy.to(step.device) + step
+            measured = torch.stack([(entropy.detach() * mask).sum(), mask.sum()])
+            self._step_entropy = self._step_entropy.to(measured.device) + measured
         loss, stats = policy_loss(
             logps,
             None if batch.old_logps is None else batch.old_logps[index],
