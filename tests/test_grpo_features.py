@@ -151,6 +151,11 @@ def test_mask_truncated_completions_drops_truncated_ones_from_the_loss(setup):
     assert differs(expected, everything)
     unmasked, _ = step_update(path, GRPO, rows, rollouts, reward_funcs=[table_reward(rollouts, REWARDS)])
     assert_same_update(unmasked, everything)
+    # one completion per micro-batch: the truncated ones' micro-batches have nothing left in the loss, and
+    # still backpropagate (zero gradients) instead of failing; the step is the same
+    micro, _ = step_update(path, GRPO, rows, rollouts, reward_funcs=[table_reward(rollouts, REWARDS)],
+                           mask_truncated_completions=True, micro_batch_size=1)  # fmt: skip
+    assert_same_update(micro, expected)
 
 
 def test_entropy_mask_zeroes_the_surrogate_only_not_the_kl_or_the_normaliser():

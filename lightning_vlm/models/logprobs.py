@@ -74,7 +74,9 @@ def selective_logps(
         entropies.append(ent)
         argmaxes.append(top)
     if not logps:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
+        # Nothing to score (e.g. every completion of a micro-batch masked as truncated): an empty result
+        # still tied to the graph, so the loss can be backpropagated (zero gradients) like any other.
+        empty = hidden.sum(dim=-1).float()
         return empty, (empty if return_entropy else None), targets.new_zeros(0)
     return torch.cat(logps), (torch.cat(entropies) if return_entropy else None), torch.cat(argmaxes)
 
