@@ -175,6 +175,15 @@ def test_count_reward_words_and_digits():
     solution = [3, "3", "two", "three", 20, 3, 3, 3]
     assert count_reward(completions, solution) == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
     assert count_reward(["twenty-one", "one"], ["1", None]) == [0.0, None]
+    # one count, named twice, is an answer; several different counts are a hedge
+    hedges = [
+        "3 shapes: three",
+        "two or three",
+        "three two",
+        "two four four",
+        "<answer>3</answer> of 4 cells",
+    ]
+    assert count_reward(hedges, [3, 3, 3, 2, 3]) == [1.0, 0.0, 0.0, 0.0, 1.0]
     with pytest.raises(ValueError, match=r"count_reward: row 0: cannot read a count .* 'many'"):
         count_reward(["3"], ["many"])
 
@@ -211,6 +220,15 @@ def test_numeric_reward_tolerance_edges():
     assert numeric_reward(["0.001"], [0], rel_tol=0.5) == [0.0]  # relative to 0, nothing is close
     assert numeric_reward(["0.001", "0.0011"], [0, 0], abs_tol=0.001) == [1.0, 0.0]
     assert numeric_reward(["no number", "5"], ["5", float("nan")]) == [0.0, None]
+    # every number named must be close: a hedge scores 0 unless all its numbers are within the tolerance
+    hedges = [
+        "48 or 60",
+        "48 or 50",
+        "width 48, i.e. 48.0",
+        "<think>3 sides</think><answer>48</answer>",
+        "1/0",
+    ]
+    assert numeric_reward(hedges, [48] * 5, abs_tol=4) == [0.0, 1.0, 1.0, 1.0, 0.0]
     with pytest.raises(ValueError, match=r"numeric_reward: row 0: cannot read a number"):
         numeric_reward(["5"], ["five"])
     with pytest.raises(ValueError, match="tolerances"):

@@ -81,13 +81,18 @@ def score_with_reference(
     return rewards
 
 
+def parse_counts(text: str) -> list[float]:
+    """Every count the answer names, in order: digits ("3", "3.0") or number words zero..twenty."""
+    return [
+        float(digits) if digits is not None else float(NUMBER_WORDS[word.lower()])
+        for digits, word in (m.groups() for m in _COUNT.finditer(extract_answer(text)))
+    ]
+
+
 def parse_count(text: str) -> float | None:
     """The first count in the answer: digits ("3", "3.0") or a number word zero..twenty; None if there is none."""
-    match = _COUNT.search(extract_answer(text))
-    if match is None:
-        return None
-    digits, word = match.groups()
-    return float(digits) if digits is not None else float(NUMBER_WORDS[word.lower()])
+    counts = parse_counts(text)
+    return counts[0] if counts else None
 
 
 def _reference_number(reference: Any, parse: Callable[[str], float | None], expected: str) -> float:
@@ -102,15 +107,41 @@ def _reference_number(reference: Any, parse: Callable[[str], float | None], expe
 def count_reward(
     completions: Sequence[Completion], solution: Sequence[Any] | None = None, **kwargs: Any
 ) -> list[float | None]:
-    """1.0 when the completion's first count (digits or one..twenty, see ``parse_count``) equals the solution, else 0.0."""
+    """1.0 when the completion's answer names the solution's count (digits or zero..twenty, see
+    ``parse_counts``) and no other, else 0.0.
+
+    "There are 3 shapes: three" names one count; "two or three" names two and scores 0.0, as hedging
+    does in ``multiple_choice_reward``: a reward for the first count alone pays a policy to list counts
+    (measured: a tiny model's GRPO drifted to "two four four ..." and never ended its answers). Keep
+    reasoning that mentions other numbers outside the ``<answer>`` tags, which are read when present.
+    """
+
+    def score(text: str, ref: float) -> float:
+        counts = set(parse_counts(text))
+        return 1.0 if counts == {ref} else 0.0
+
     return score_with_reference(
         "count_reward",
         completions,
         solution,
         kwargs,
         lambda ref: _reference_number(ref, parse_count, "a count (digits or zero..twenty)"),
-        lambda text, ref: 1.0 if parse_count(text) == ref else 0.0,
+        score,
     )
+
+
+def _number(match: re.Match) -> float | None:
+    numerator, denominator = (g.replace(",", "") if g else g for g in match.groups())
+    value = float(numerator)
+    if denominator is None:
+        return value
+    den = float(denominator)
+    return value / den if den != 0 else None
+
+
+def parse_numbers(text: str) -> list[float | None]:
+    """Every number the answer names, in order (``parse_number``'s forms; None for a fraction over zero)."""
+    return [_number(m) for m in _NUMBER.finditer(extract_answer(text))]
 
 
 def parse_number(text: str) -> float | None:
@@ -122,14 +153,7 @@ def parse_number(text: str) -> float | None:
     write percentages the same way in the solution. Spaces as thousands separators are not.
     """
     match = _NUMBER.search(extract_answer(text))
-    if match is None:
-        return None
-    numerator, denominator = (g.replace(",", "") if g else g for g in match.groups())
-    value = float(numerator)
-    if denominator is None:
-        return value
-    den = float(denominator)
-    return value / den if den != 0 else None
+    return None if match is None else _number(match)
 
 
 def numeric_reward(
@@ -140,17 +164,23 @@ def numeric_reward(
     abs_tol: float = 0.0,
     **kwargs: Any,
 ) -> list[float | None]:
-    """1.0 when the answer's first number (``parse_number``) is ``math.isclose`` to the solution, else 0.0.
+    """1.0 when the answer names a number (``parse_numbers``) and every number it names is
+    ``math.isclose`` to the solution, else 0.0.
 
     With both tolerances at 0 (the default) the values must be equal; ``abs_tol`` matters for
-    solutions near zero, where a relative tolerance accepts almost nothing.
+    solutions near zero, where a relative tolerance accepts almost nothing. "48 or 60" scores 0.0
+    unless both are within the tolerance: hedging is not rewarded (see ``count_reward``; measured, a
+    tiny model's GRPO on the first number alone drifted into lists of numbers). Keep reasoning that
+    mentions other numbers outside the ``<answer>`` tags, which are read when present.
     """
     if rel_tol < 0 or abs_tol < 0:
         raise ValueError(f"numeric_reward: tolerances must be >= 0; got rel_tol={rel_tol}, abs_tol={abs_tol}")
 
     def score(text: str, ref: float) -> float:
-        value = parse_number(text)
-        ok = value is not None and math.isclose(value, ref, rel_tol=rel_tol, abs_tol=abs_tol)
+        values = parse_numbers(text)
+        ok = bool(values) and all(
+            v is not None and math.isclose(v, ref, rel_tol=rel_tol, abs_tol=abs_tol) for v in values
+        )
         return 1.0 if ok else 0.0
 
     return score_with_reference(
