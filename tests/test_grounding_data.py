@@ -76,7 +76,9 @@ def test_answers_score_full_iou_and_the_distractor_scores_zero():
 def test_rows_in_the_three_shapes():
     sft, prompt, preference = (grounding_rows(shape, 3, seed=1) for shape in ("sft", "prompt", "preference"))
     assert all(set(r) == {"messages", "images"} for r in sft)
-    assert all(set(r) == {"prompt", "images", "solution"} for r in prompt)
+    assert all(
+        set(r) == {"prompt", "images", "solution", "task"} and r["task"] == "grounding" for r in prompt
+    )
     assert all(set(r) == {"prompt", "chosen", "rejected", "images"} for r in preference)
     sample = make_grounding_sample(1, 0)
     assert sft[0]["messages"][0]["content"][1]["text"] == sample.question

@@ -127,8 +127,9 @@ def as_preference_row(sample: GroundingSample) -> dict:
 
 
 def as_prompt_row(sample: GroundingSample) -> dict:
-    """TRL's conversational prompt row: ``prompt``, ``images`` and the box text as ``solution``."""
-    return {"prompt": _user_turn(sample.question), "images": [sample.image], "solution": sample.answer}
+    """TRL's conversational prompt row: ``prompt``, ``images``, the box text as ``solution`` and ``task``."""
+    return {"prompt": _user_turn(sample.question), "images": [sample.image], "solution": sample.answer,
+            "task": "grounding"}  # fmt: skip
 
 
 ROW_BUILDERS = {"sft": as_sft_row, "preference": as_preference_row, "prompt": as_prompt_row}

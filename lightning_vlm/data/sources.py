@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_vlm.data import grounding
+from lightning_vlm.data import grounding, vqa
 from lightning_vlm.data.files import FILE_BUILDERS, SourceError, load_file
-from lightning_vlm.data.synthetic import ROW_BUILDERS, build_row, make_sample
+from lightning_vlm.data.synthetic import QUESTIONS, ROW_BUILDERS, build_row, make_sample
 
 SPEC_KEYS: tuple[str, ...] = ("path", "subset", "split", "num_samples", "seed", "kinds", "image_size")
 SYNTHETIC_DEFAULTS: dict[str, Any] = {"num_samples": 256, "seed": 0, "kinds": ("color",), "image_size": 112}
@@ -52,6 +52,9 @@ class SyntheticRows(Sequence):
             )
         self.shape, self.num_samples, self.seed = shape, num_samples, seed
         self.kinds, self.image_size = tuple(kinds), image_size
+        # Colour, shape and count alone keep synthetic.py's own stream (every figure measured on it);
+        # the answer-reward kinds (data/vqa.py) mix with them on a stream of their own.
+        self.classic = set(kinds) <= set(QUESTIONS)
         self._sample(0)  # fail now on a bad kind or size, not inside a worker
 
     def __len__(self) -> int:
@@ -66,7 +69,8 @@ class SyntheticRows(Sequence):
         if self.grounding:
             sample = grounding.make_grounding_sample(self.seed, index, self.image_size)
             return grounding.ROW_BUILDERS[self.shape](sample)
-        return build_row(self.shape, make_sample(self.seed, index, self.kinds, self.image_size), index)
+        draw = make_sample if self.classic else vqa.make_vqa_sample
+        return build_row(self.shape, draw(self.seed, index, self.kinds, self.image_size), index)
 
 
 def _undecoded(feature: Any) -> Any:

@@ -130,8 +130,10 @@ def as_preference_row(sample: Sample) -> dict:
 
 
 def as_prompt_row(sample: Sample) -> dict:
-    """TRL's conversational prompt row: ``prompt``, ``images`` and the ``solution`` for rewards."""
-    return {"prompt": _user_turn(sample.question), "images": [sample.image], "solution": sample.answer}
+    """TRL's conversational prompt row: ``prompt``, ``images``, and for rewards the ``solution`` and the
+    question's kind as ``task`` (``rewards.TaskReward`` routes a reward to one task's rows)."""
+    return {"prompt": _user_turn(sample.question), "images": [sample.image], "solution": sample.answer,
+            "task": sample.kind}  # fmt: skip
 
 
 def as_unpaired_row(sample: Sample, desirable: bool = True) -> dict:

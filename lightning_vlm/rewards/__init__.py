@@ -21,6 +21,7 @@ from lightning_vlm.rewards.builtin import (
     think_format_reward,
 )
 from lightning_vlm.rewards.reward_model import RewardModel
+from lightning_vlm.rewards.routing import TaskReward
 from lightning_vlm.rewards.scoring import (
     RewardFunctionError,
     RewardScorer,
@@ -47,6 +48,7 @@ __all__ = [
     "RewardFunctionError",
     "RewardModel",
     "RewardScorer",
+    "TaskReward",
     "accuracy_reward",
     "answer_format_reward",
     "answers_match",

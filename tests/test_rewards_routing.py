@@ -1,0 +1,61 @@
+"""TaskReward: a reward scores only its task's rows of a mixed batch; the others get None (left out of
+the group statistics and of its metric), and it logs under the wrapped reward's name."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+from lightning_vlm.rewards import RewardScorer, TaskReward, count_reward, numeric_reward
+
+
+def test_scores_its_rows_and_none_elsewhere():
+    reward = TaskReward(count_reward, task="count")
+    out = reward(["two", "B", "three", "two"], solution=["two", "B", "two", "one"],
+                 task=["count", "choice", "count", "count"])  # fmt: skip
+    assert out == [1.0, None, 0.0, 0.0]
+    assert reward(["B"], solution=["B"], task=["choice"]) == [None]
+
+
+def test_only_the_routed_rows_reach_the_wrapped_reward():
+    seen = {}
+
+    def spy(completions, solution, trainer_state, **kwargs):
+        seen.update(completions=completions, solution=solution, state=trainer_state, task=kwargs["task"])
+        return [0.5] * len(completions)
+
+    out = TaskReward(spy, task=["size", "text"])(
+        ["a", "b", "c"], solution=["1", "2", "3"], task=["size", "count", "text"], trainer_state={"step": 4}
+    )
+    assert out == [0.5, None, 0.5]
+    # per-row columns cut to the routed rows, other values passed as they are
+    assert seen == {"completions": ["a", "c"], "solution": ["1", "3"], "state": {"step": 4},
+                    "task": ["size", "text"]}  # fmt: skip
+
+
+def test_names_settings_and_a_scorer_of_mixed_rows():
+    size = TaskReward(functools.partial(numeric_reward, abs_tol=8), task="size")
+    count = TaskReward("count_reward", task="count")
+    assert size.__name__ == "numeric_reward" and "abs_tol=8" in repr(size) and "['size']" in repr(size)
+    scorer = RewardScorer([count, size])
+    scores, names = scorer(
+        ["two", "50", "60"], {"solution": ["two", "45", "70"], "task": ["count", "size", "size"]}
+    )
+    assert names == ["count_reward", "numeric_reward"]
+    expected = torch.tensor([[1.0, math.nan], [math.nan, 1.0], [math.nan, 0.0]])
+    assert torch.allclose(scores, expected, equal_nan=True)
+    assert scorer.total(scores).tolist() == [1.0, 1.0, 0.0]
+
+
+def test_bad_uses_name_the_problem():
+    with pytest.raises(ValueError, match="routes by the column 'task'.*columns given were \\['solution'\\]"):
+        TaskReward(count_reward, task="count")(["two"], solution=["two"])
+    with pytest.raises(ValueError, match="at least one task"):
+        TaskReward(count_reward, task=[])
+    with pytest.raises(ValueError, match="returned 1 rewards for 2 rows"):
+        TaskReward(lambda completions, **kw: [1.0], task="a")(["x", "y"], task=["a", "a"])
+    with pytest.raises(ValueError, match="neither a built-in reward"):
+        TaskReward("no_such_reward", task="a")
