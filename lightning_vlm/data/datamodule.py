@@ -25,6 +25,7 @@ from lightning_vlm.data.rows import RowError
 from lightning_vlm.data.skips import NoRowsError, SkippedRow, collate_rows, require_rows, scan
 from lightning_vlm.data.sources import Source, load_source, plain
 from lightning_vlm.data.templates import RowFormat
+from lightning_vlm.data.unpair import unpair
 
 logger = logging.getLogger("lightning_vlm.data")
 
@@ -156,6 +157,10 @@ class VLMDataModule(L.LightningDataModule):
         spec = dict(train) if isinstance(train, dict) else {"path": train}
         return {k: v for k, v in spec.items() if k not in ("num_samples", "split")}
 
+    def load(self, spec: str | dict, split: str, synthetic_split: str) -> Source:
+        """The raw rows of one source spec (``load_source``); subclasses may reshape them."""
+        return load_source(spec, self.shape, split, self._synthetic(synthetic_split))
+
     def _dataset(self, source: Source, indices: list[int]) -> RowDataset:
         return RowDataset(source, self.row_format, indices, self.hparams.on_bad_row, self.skipped)
 
@@ -164,7 +169,7 @@ class VLMDataModule(L.LightningDataModule):
         if self.train_dataset is not None:
             return
         hp = self.hparams
-        train = load_source(hp.train, self.shape, hp.split, self._synthetic("train"))
+        train = self.load(hp.train, hp.split, "train")
         indices, skipped = scan(train, self.row_format, hp.max_samples, hp.on_bad_row)
         self.skipped.update(skipped)
         require_rows(indices, skipped, train, "data.train")
@@ -182,7 +187,7 @@ class VLMDataModule(L.LightningDataModule):
                 )
         elif hp.val is not None or train.trusted:
             spec = hp.val if hp.val is not None else self._synthetic_val_spec()
-            val = load_source(spec, self.shape, hp.val_split, self._synthetic(hp.val_split))
+            val = self.load(spec, hp.val_split, hp.val_split)
             val_indices, skipped = scan(val, self.row_format, hp.max_val_samples, hp.on_bad_row)
             self.skipped.update(skipped)
             if skipped:  # validation silently off because every row was skipped: say so instead
@@ -267,9 +272,13 @@ class PreferenceDataModule(VLMDataModule):
 
 
 class UnpairedDataModule(VLMDataModule):
-    """Unpaired feedback rows (``prompt``, ``completion``, ``label``) for KTO."""
+    """Unpaired feedback rows (``prompt``, ``completion``, ``label``) for KTO; preference pairs are read
+    as two unpaired rows each, as TRL's KTOTrainer does (``unpair.py``)."""
 
     shape = "unpaired"
+
+    def load(self, spec: str | dict, split: str, synthetic_split: str) -> Source:
+        return unpair(super().load(spec, split, synthetic_split), self.row_format.column_map)
 
 
 class PromptDataModule(VLMDataModule):

@@ -1,0 +1,79 @@
+"""Preference pairs read as KTO's unpaired feedback, as TRL's KTOTrainer does with paired data.
+
+TRL's KTOTrainer turns a ``chosen``/``rejected`` dataset into unpaired rows before training
+(``unpair_preference_dataset``): each pair becomes its chosen answer with ``label=True`` and its
+rejected answer with ``label=False``, both with the pair's prompt and images. ``UnpairedView`` does the
+same lazily over any source, so ``method=kto data.train=pairs.jsonl`` trains on a DPO data set as it is.
+Row ``2i`` is pair ``i``'s chosen answer and row ``2i + 1`` its rejected one; the view's name says so,
+so an error about row 7 can be traced to pair 3. The implicit-prompt form (full ``chosen`` and
+``rejected`` conversations, no ``prompt``) is split at their shared first messages, as for DPO.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+from lightning_vlm.data.sources import Source
+
+log = logging.getLogger(__name__)
+
+
+def _column(names: Mapping[str, str], ours: str, row: Mapping) -> str | None:
+    """The row's column that ``column_map`` (``names``: theirs -> ours) turns into ``ours``, if any."""
+    theirs = [k for k, v in names.items() if v == ours and k in row]
+    if theirs:
+        return theirs[0]
+    return ours if ours in row and ours not in names else None
+
+
+def is_paired(row: Mapping, column_map: Mapping[str, str]) -> bool:
+    """Whether a raw row is a preference pair (chosen and rejected, no completion) after ``column_map``."""
+    return all(_column(column_map, c, row) is not None for c in ("chosen", "rejected")) and (
+        _column(column_map, "completion", row) is None
+    )
+
+
+class UnpairedView(Sequence):
+    """Pairs as unpaired rows: ``2i`` is pair ``i``'s chosen answer (label True), ``2i + 1`` its rejected one."""
+
+    def __init__(self, pairs: Sequence[Mapping], column_map: Mapping[str, str]) -> None:
+        self.pairs, self.column_map = pairs, dict(column_map)
+
+    def __len__(self) -> int:
+        return 2 * len(self.pairs)
+
+    def __getitem__(self, index: int) -> dict:  # type: ignore[override]
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        pair = dict(self.pairs[index // 2])
+        chosen = pair.pop(_column(self.column_map, "chosen", pair))
+        rejected = pair.pop(_column(self.column_map, "rejected", pair))
+        prompt = _column(self.column_map, "prompt", pair)
+        if (
+            (prompt is None or pair[prompt] is None)
+            and isinstance(chosen, list)
+            and isinstance(rejected, list)
+        ):
+            # Implicit prompt: the shared first messages are the prompt, the rest the two answers.
+            n = 0
+            while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+                n += 1
+            pair[prompt or "prompt"], chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+        desirable = index % 2 == 0
+        return {**pair, "completion": chosen if desirable else rejected, "label": desirable}
+
+
+def unpair(source: Source, column_map: Mapping[str, str]) -> Source:
+    """``source`` itself when its rows are unpaired (or it is empty), else its pairs as unpaired rows."""
+    if len(source.rows) == 0 or not is_paired(source.rows[0], column_map):
+        return source
+    log.info(
+        "%s holds preference pairs (chosen/rejected): KTO reads each as two unpaired rows, the chosen "
+        "answer desirable and the rejected one undesirable (%d pairs -> %d rows)",
+        source.name,
+        len(source.rows),
+        2 * len(source.rows),
+    )
+    name = f"{source.name}, unpaired (row 2i: pair i's chosen answer, row 2i+1: its rejected one)"
+    return Source(UnpairedView(source.rows, column_map), name, source.base_dir, source.trusted)

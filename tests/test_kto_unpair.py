@@ -1,0 +1,68 @@
+"""KTO on paired data: preference pairs become two unpaired rows each (TRL's KTOTrainer does the same),
+from every source kind, with explicit or implicit prompts and renamed columns; errors trace to the pair."""
+
+from __future__ import annotations
+
+import pytest
+from test_data import COLORS, folder, good_rows, hf_cache, pixel, write  # noqa: F401  (fixtures)
+
+from lightning_vlm.data import RowError, UnpairedDataModule
+
+
+def _rows(dm) -> list[dict]:
+    return [row for batch in dm.train_dataloader() for row in batch]
+
+
+def _text(messages: list[dict]) -> str:
+    return " ".join(b["text"] for m in messages for b in m["content"] if b["type"] == "text")
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "disk"])
+def test_pairs_become_a_desirable_and_an_undesirable_row(folder, kind):  # noqa: F811
+    dm = UnpairedDataModule(train=write(folder, kind, good_rows("preference")), shuffle=False, batch_size=8)
+    dm.setup()
+    rows = _rows(dm)
+    assert len(rows) == 6 and "unpaired (row 2i: pair i's chosen answer" in dm.train_dataset.source.name
+    assert [r["label"] for r in rows] == [True, False] * 3
+    assert [_text(r["completion"]) for r in rows] == ["red", "blue"] * 3
+    for i, row in enumerate(rows):
+        assert _text(row["prompt"]) == f"question {i // 2}?" and "chosen" not in row and "rejected" not in row
+        # both rows of a pair carry the pair's image
+        assert pixel(row["images"][0]) == list(COLORS.values())[i // 2]
+
+
+def test_implicit_prompts_and_renamed_columns(folder):  # noqa: F811
+    implicit = [{"chosen": p["prompt"] + p["chosen"], "rejected": p["prompt"] + p["rejected"],
+                 **{k: v for k, v in p.items() if k in ("image", "images")}}
+                for p in good_rows("preference")]  # fmt: skip
+    dm = UnpairedDataModule(train=write(folder, "jsonl", implicit), shuffle=False, batch_size=8)
+    rows = (dm.setup(), _rows(dm))[1]
+    assert [_text(r["prompt"]) for r in rows] == ["question 0?", "question 0?", "question 1?", "question 1?",
+                                                  "question 2?", "question 2?"]  # fmt: skip
+    assert [_text(r["completion"]) for r in rows] == ["red", "blue"] * 3
+
+    renamed = [{"question": p["prompt"], "good": p["chosen"], "bad": p["rejected"],
+                **{k: v for k, v in p.items() if k in ("image", "images")}} for p in good_rows("preference")]  # fmt: skip
+    dm = UnpairedDataModule(train=write(folder, "jsonl", renamed), shuffle=False, batch_size=8,
+                            column_map={"question": "prompt", "good": "chosen", "bad": "rejected"})  # fmt: skip
+    rows = (dm.setup(), _rows(dm))[1]
+    assert [r["label"] for r in rows] == [True, False] * 3
+    assert [_text(r["completion"]) for r in rows] == ["red", "blue"] * 3
+
+
+def test_unpaired_data_is_read_as_it_is(folder):  # noqa: F811
+    rows = [{"prompt": p["prompt"], "completion": p["chosen"], "label": i != 1,
+             **{k: v for k, v in p.items() if k in ("image", "images")}}
+            for i, p in enumerate(good_rows("preference"))]  # fmt: skip
+    dm = UnpairedDataModule(train=write(folder, "jsonl", rows), shuffle=False, batch_size=8)
+    dm.setup()
+    assert [r["label"] for r in _rows(dm)] == [True, False, True]
+    assert "unpaired (row" not in dm.train_dataset.source.name
+
+
+def test_a_bad_pair_names_its_unpaired_row_and_the_pair_rule(folder):  # noqa: F811
+    pairs = good_rows("preference")
+    pairs[1]["rejected"] = [{"role": "user", "content": [{"type": "text", "text": "not an answer"}]}]
+    dm = UnpairedDataModule(train=write(folder, "jsonl", pairs), shuffle=False)
+    with pytest.raises(RowError, match=r"row 2i\+1: its rejected one\), row 3, column 'completion'"):
+        dm.setup()
