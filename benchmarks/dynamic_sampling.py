@@ -1,13 +1,17 @@
 """Completions generated until GRPO gains +0.2 on the colour task, with and without dynamic sampling.
 
-Usage: ``python benchmarks/dynamic_sampling.py [--steps 200] [--out benchmarks/results/dynamic_sampling.json]``.
+Usage: ``python benchmarks/dynamic_sampling.py [--steps 200] [--seeds 0 1 2] [--num-generations 4]
+[--out benchmarks/results/dynamic_sampling.json]`` (``--num-generations 2`` wrote ``dynamic_sampling_g2.json``).
 Both runs are ``train.py`` from the tiny Qwen2.5-VL's SFT warm start with ``num_generations=4`` (with 8
-samples almost no group of the warm start ties: 0.38^8 + 0.62^8 = 2 %; with 4, 17 %) and 8 groups
+samples almost no group of the warm start ties: 0.38^8 + 0.62^8 = 2 %; with 4, 17 %; with 2, half) and 8 groups
 trained per step: ``method=grpo`` (8 prompts per step) and ``method=dapo``'s dynamic sampling (a pool of
 24 prompts in up to 3 rounds of 8), with the clipping and loss of GRPO in both, so only the sampling
 differs. Validation (the sampled accuracy reward of 4 completions for each of 64 held-out prompts) runs
 every ``--every`` steps; the figure is ``train/completions_generated`` (all completions sampled, the
-filtered ones included) at the first validation at least 0.2 above the starting value.
+filtered ones included) when the validation curve first reaches 0.2 above the starting value, read by
+linear interpolation between the two validations around that point. Each run is repeated with several
+training seeds (data order and sampling; the warm start is shared) and the medians are compared: one run
+of each is too noisy to decide (validation moves by +-0.05 between neighbouring points).
 """
 
 from __future__ import annotations
@@ -16,13 +20,14 @@ import argparse
 import csv
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = ["method.num_generations=4", "logger=csv", "callbacks=none", "validate_before_fit=true",
+COMMON = ["logger=csv", "callbacks=none", "validate_before_fit=true",
           "trainer.enable_progress_bar=false", "optimized_metric=null", "data.synthetic.num_val=64"]  # fmt: skip
 RUNS = {
     "grpo": ["method=grpo", "data.batch_size=8"],
@@ -34,10 +39,10 @@ RUNS = {
 }
 
 
-def run(name: str, steps: int, every: int, folder: Path) -> list[dict]:
+def run(name: str, steps: int, every: int, seed: int, generations: int, folder: Path) -> list[dict]:
     """One ``train.py`` run; (step, completions generated, val reward) at every validation."""
-    args = [*RUNS[name], *COMMON, f"trainer.max_steps={steps}", f"trainer.val_check_interval={every}",
-            f"hydra.run.dir={folder}"]  # fmt: skip
+    args = [*RUNS[name], *COMMON, f"method.num_generations={generations}", f"trainer.max_steps={steps}",
+            f"trainer.val_check_interval={every}", f"seed={seed}", f"hydra.run.dir={folder}"]  # fmt: skip
     done = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, capture_output=True, text=True
     )
@@ -60,8 +65,15 @@ def run(name: str, steps: int, every: int, folder: Path) -> list[dict]:
 
 
 def first_gain(points: list[dict], gain: float) -> dict | None:
-    start = points[0]["val_reward"]
-    return next((p for p in points[1:] if p["val_reward"] >= start + gain), None)
+    """Step and completions where the curve first reaches ``start + gain``, interpolated linearly between
+    the validation below and the one at or above; None when it never does."""
+    target = points[0]["val_reward"] + gain
+    for below, above in zip(points, points[1:], strict=False):
+        if above["val_reward"] >= target:
+            t = (target - below["val_reward"]) / (above["val_reward"] - below["val_reward"])
+            at = {k: below[k] + t * (above[k] - below[k]) for k in ("step", "completions")}
+            return {**at, "validation_after": above}
+    return None
 
 
 def main() -> None:
@@ -69,22 +81,39 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--every", type=int, default=20)
     parser.add_argument("--gain", type=float, default=0.2)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--num-generations", type=int, default=4)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "dynamic_sampling.json"))
     args = parser.parse_args()
-    results = {}
+    results: dict[str, list[dict]] = {name: [] for name in RUNS}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in RUNS:
-            points = run(name, args.steps, args.every, Path(tmp) / name)
-            hit = first_gain(points, args.gain)
-            results[name] = {"curve": points, "reached": hit}
-            print(name, f"reached +{args.gain:.1f} at", hit, flush=True)
-    a, b = results["grpo"]["reached"], results["dynamic_sampling"]["reached"]
+        for seed in args.seeds:
+            for name in RUNS:
+                points = run(
+                    name, args.steps, args.every, seed, args.num_generations, Path(tmp) / f"{name}-{seed}"
+                )
+                hit = first_gain(points, args.gain)
+                results[name].append({"seed": seed, "curve": points, "reached": hit})
+                print(name, f"seed {seed} reached +{args.gain:.1f} at", hit, flush=True)
+
+    def median(name: str, key: str) -> float | None:
+        # a run that never reaches the gain counts as the most expensive one
+        values = [r["reached"][key] if r["reached"] else float("inf") for r in results[name]]
+        value = statistics.median(values)
+        return None if value == float("inf") else value
+
+    completions = {name: median(name, "completions") for name in RUNS}
+    a, b = completions["grpo"], completions["dynamic_sampling"]
     summary = {
-        "completions_to_gain": {k: (v["reached"] or {}).get("completions") for k, v in results.items()},
-        "ratio_dynamic_over_grpo": (b["completions"] / a["completions"]) if a and b else None,
-    }
-    out = {"gain": args.gain, "steps": args.steps, "every": args.every, "machine": platform.platform(),
-           "summary": summary, "runs": results}  # fmt: skip
+        "median_completions_to_gain": completions,
+        "median_steps_to_gain": {name: median(name, "step") for name in RUNS},
+        "ratio_dynamic_over_grpo": (b / a) if a and b else None,
+        "final_val_reward": {name: statistics.median(r["curve"][-1]["val_reward"] for r in results[name])
+                             for name in RUNS},
+    }  # fmt: skip
+    out = {"gain": args.gain, "steps": args.steps, "every": args.every, "seeds": args.seeds,
+           "num_generations": args.num_generations,
+           "machine": platform.platform(), "summary": summary, "runs": results}  # fmt: skip
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
 
