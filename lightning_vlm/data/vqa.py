@@ -35,6 +35,7 @@ from PIL import Image, ImageDraw, ImageFont
 from lightning_vlm.data.synthetic import (
     BACKGROUNDS,
     COLORS,
+    COUNTS,
     QUESTIONS,
     SHAPES,
     Sample,
@@ -51,7 +52,6 @@ VQA_QUESTIONS: dict[str, str] = {
 }
 KINDS: tuple[str, ...] = (*QUESTIONS, *VQA_QUESTIONS)
 LETTERS = "ABCDEFGH"
-NUMBER_WORDS = ("zero", "one", "two", "three", "four")
 # Widths of the size task as fractions of the image: large enough to be seen after patching, small
 # enough to leave room to move the shape around.
 SIZE_RANGE = (1 / 7, 6 / 7)
@@ -120,7 +120,7 @@ def _size(rng: random.Random, image_size: int) -> tuple[Image.Image, str, str, s
 def _count_cells(rng: random.Random, image_size: int) -> tuple[Image.Image, str, str, str]:
     color = rng.choice(tuple(COLORS))
     background = rng.choice([b for b in BACKGROUNDS if b != COLORS[color]])
-    count = rng.randint(1, 3)
+    count = rng.randint(1, len(COUNTS))
     image = Image.new("RGB", (image_size, image_size), background)
     draw = ImageDraw.Draw(image)
     half = image_size // 2
@@ -130,13 +130,8 @@ def _count_cells(rng: random.Random, image_size: int) -> tuple[Image.Image, str,
         y0 = (cell // 2) * half + rng.randint(0, half - size)
         # PIL's boxes include their right and bottom pixel: this one stays inside its cell.
         _draw_shape(draw, rng.choice(SHAPES), (x0, y0, x0 + size - 1, y0 + size - 1), COLORS[color])
-    words = NUMBER_WORDS[1:4]
-    return (
-        image,
-        VQA_QUESTIONS["count_cells"],
-        words[count - 1],
-        rng.choice([w for w in words if w != words[count - 1]]),
-    )
+    answer = COUNTS[count - 1]
+    return image, VQA_QUESTIONS["count_cells"], answer, rng.choice([w for w in COUNTS if w != answer])
 
 
 _DRAW = {"count_cells": _count_cells, "choice": _choice, "text": _text, "size": _size}
