@@ -65,6 +65,8 @@ WARM_STARTS: dict[str, WarmStart] = {
 }
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+# Torch threads of every warm-start build (see _build); 2 is what every measured figure was built with.
+BUILD_THREADS = 2
 # What the weights of an SFT run of the tiny model depend on besides the recipe: the model, data,
 # SFT and training code and the configs the job composes (not generation, rewards, other methods).
 _SOURCES = ("lightning_vlm/models", "lightning_vlm/data", "lightning_vlm/losses/sft.py",
@@ -142,6 +144,10 @@ def _build(family: str, base: pathlib.Path, target: pathlib.Path, recipe: WarmSt
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV and not k.startswith("TORCHELASTIC_")}
     env.setdefault("HF_HUB_OFFLINE", "1")
+    # A fixed thread count: the cached weights must not depend on who builds them first. Reductions split
+    # over another number of threads round differently (measured: a build under OMP_NUM_THREADS=1, as a
+    # 2-process test's ranks have, differed by 8e-5, and Online DPO from it learned 0.78 instead of 0.83).
+    env.update(OMP_NUM_THREADS=str(BUILD_THREADS), MKL_NUM_THREADS=str(BUILD_THREADS))
     log.info(
         "Building the SFT warm start of tiny %s (%d steps, once; cached in %s)",
         family,
