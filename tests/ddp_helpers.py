@@ -190,6 +190,8 @@ EQUIVALENCE: dict[str, list[str]] = {
         "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl",
         "method.precompute_ref_logps=true",
     ],  # fmt: skip
+    # KTO reads the pairs as unpaired rows; z0 pairs each row with the previous one of the global batch
+    "kto": ["method=kto", "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl"],
     "grpo_dapo": ["method=grpo", *ONLINE, "method.loss_type=dapo"],
     # two optimizer steps per generation (old log-probs, clipping) and a KL to the reference
     "grpo_grpo": [

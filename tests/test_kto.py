@@ -123,3 +123,23 @@ def test_a_one_row_batch_adds_nothing_to_the_reference_point(tiny_path, caplog):
         loss, metrics = module._loss(synthetic_rows("unpaired", 1), train=False)
     assert torch.isfinite(loss) and metrics["kl"].item() == 0.0
     assert any("adds nothing to the reference point" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("sizes", [(2, 2), (3, 2), (1, 1), (1, 0)])
+def test_mismatched_answers_over_ranks_are_the_one_process_rotation(monkeypatch, sizes):
+    # The global batch in the data's order, dealt round-robin to ranks as the sharding does (rank r gets
+    # positions r, r + N, ...); each rank's pairs must be the one-process rotation's pairs of its rows.
+    import lightning_vlm.methods.kto as kto
+
+    total = sum(sizes)
+    shards = [[{"completion": f"c{p}"} for p in range(r, total, len(sizes))] for r in range(len(sizes))]
+    assert [len(s) for s in shards] == list(sizes)
+    one = [f"c{p - 1 if p else total - 1}" for p in range(total)]  # one process: row p with row p - 1
+    monkeypatch.setattr(kto, "all_gather_object", lambda obj: [[r["completion"] for r in s] for s in shards])
+    for rank, shard in enumerate(shards):
+        monkeypatch.setattr(kto, "rank", lambda rank=rank: rank)
+        got = kto.mismatched_completions(shard)
+        if total < 2:
+            assert got is None  # a single row over all ranks has no mismatched answer
+        else:
+            assert got == [one[int(r["completion"][1:])] for r in shard]

@@ -1,8 +1,8 @@
 """KTO (Ethayarajh et al. 2024) for VLMs: unpaired desirable / undesirable answers, TRL's loss and defaults.
 
 Each row is encoded together with its *mismatched* completion (the previous row's answer in the
-batch, TRL's rotation by one) as a pair that shares the row's prompt and images, so the vision tower
-runs once per row (``preference_batch.encode_pairs``). The matched answer gives the implicit reward
+batch over all ranks, TRL's rotation by one; ``mismatched_completions``) as a pair that shares the row's
+prompt and images, so the vision tower runs once per row (``preference_batch.encode_pairs``). The matched answer gives the implicit reward
 r = logπ - logπ_ref; the mismatched ones, over every rank's rows, give the reference point z0. TRL
 fixes the rotation once at preprocessing and so must not shuffle; here it is taken per batch, so the
 data can be shuffled and every epoch sees new mismatched pairs. The reference is a frozen copy, or
@@ -29,7 +29,7 @@ from lightning_vlm.methods.preference_batch import encode_pairs, split_pairs
 from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_tokens
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
-from lightning_vlm.parallel.collectives import gather_cat, mean_normalizer
+from lightning_vlm.parallel.collectives import all_gather_object, gather_cat, mean_normalizer, rank
 from lightning_vlm.settings_check import check_positive
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,27 @@ def reference_answers(rows: list[dict]) -> list[str | None]:
         else:
             out.append(message_text(row["completion"][-1]) if row["label"] else None)
     return out
+
+
+def mismatched_completions(rows: list[dict]) -> list[Any] | None:
+    """Each row's mismatched answer for z0: the completion of the row before it in the step's batch over
+    all ranks (TRL's rotation by one), or None when that batch holds a single row.
+
+    Rank r's rows sit at positions r, r + N, r + 2N, ... of the global batch (the data's sharding: one
+    process with N times the batch sees the same rows in that order), so N processes pair rows exactly as
+    one process does and z0 is the same. The completions (text, not tensors) are exchanged each step.
+    """
+    per_rank = all_gather_object([r["completion"] for r in rows])
+    order = [
+        (r, i) for i in range(max(map(len, per_rank))) for r in range(len(per_rank)) if i < len(per_rank[r])
+    ]
+    if len(order) < 2:
+        return None
+    flat = [per_rank[r][i] for r, i in order]
+    position = {at: p for p, at in enumerate(order)}
+    me = rank()
+    # position 0 takes the last row's answer, as TRL's rotation does
+    return [flat[position[me, i] - 1] for i in range(len(rows))]
 
 
 def desirable_answers(rows: list[dict]) -> list[str]:
@@ -91,8 +112,11 @@ class KTO(FactoryOptimized):
     def _loss(self, rows: list[dict], train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         hp = self.hparams
         # Row i with the previous row's completion (TRL's rotation): the mismatched answer for z0.
-        pairs = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": rows[i - 1]["completion"],
-                  "images": r.get("images", [])} for i, r in enumerate(rows)]  # fmt: skip
+        mismatched = mismatched_completions(rows)
+        # A single row over all ranks fills the slot with its own answer; its KL is dropped below.
+        others = mismatched if mismatched is not None else [r["completion"] for r in rows]
+        pairs = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": other,
+                  "images": r.get("images", [])} for r, other in zip(rows, others, strict=True)]  # fmt: skip
         batch = encode_pairs(self.vlm, pairs, hp.max_length, hp.one_vision_pass)
         inputs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.inputs.items()}
         mask = batch.completion_mask.to(self.device)
@@ -100,10 +124,10 @@ class KTO(FactoryOptimized):
         with torch.no_grad():
             ref, kl_ref = split_pairs(self.ref.token_logps(inputs, mask)[0].sum(dim=1))
         kl = (kl_logps - kl_ref).detach()
-        if len(rows) < 2:
-            # A one-row batch (an epoch's last) has no mismatched answer: its own would make z0 the reward
-            # itself. It adds nothing to z0 (0 if no rank has a pair), and never raises: under DDP the
-            # other ranks would then wait in the gather below.
+        if mismatched is None:
+            # A batch of one row over all ranks (an epoch's last) has no mismatched answer: its own would
+            # make z0 the reward itself. It adds nothing to z0 (0), and never raises: under DDP the other
+            # ranks would then wait in the gather below.
             log.warning("KTO: a batch of one row adds nothing to the reference point z0")
             kl = kl[:0]
         # Over every rank's rows (a collective on every step, validation included).
