@@ -11,6 +11,11 @@ from lightning_vlm.training import train
 # DAPO's dynamic sampling: pools of 4 prompts in 2 rounds (extra rounds draw from their own seeds)
 DYNAMIC = ["method.dynamic_sampling={enabled:true,max_num_gen_batches:2}", "data.batch_size=4",
            "data.synthetic.num_train=8"]  # fmt: skip
+# Skywork-OR1's adaptive entropy coefficient: controller state that the checkpoint must carry (a target
+# above the policy's entropy, so the coefficient moves every step)
+ADAPTIVE = ["method.use_adaptive_entropy=true", "method.entropy_target=5.0", "method.entropy_coef_delta=0.01",
+            "method.entropy_coef_max=0.1"]  # fmt: skip
+EXTRA = {"grpo": (), "dynamic_sampling": tuple(DYNAMIC), "adaptive_entropy": tuple(ADAPTIVE)}
 
 
 def _run(tmp_path, warm: str, steps: int, ckpt_path: str | None = None, save: str | None = None,
@@ -43,6 +48,7 @@ def _run(tmp_path, warm: str, steps: int, ckpt_path: str | None = None, save: st
         out["trainer"].save_checkpoint(save)
     params = {n: p.detach().clone() for n, p in out["module"].vlm.named_parameters()}
     params["completions_generated"] = torch.tensor(out["module"].completions_generated)
+    params["entropy_coef"] = torch.tensor(out["module"].entropy_coef)
     return params, seen
 
 
@@ -63,12 +69,12 @@ def _train_recording(cfg, seen):
         OnlineRL.score = original
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["grpo", "dynamic_sampling"])
-def test_resume_matches_an_uninterrupted_run(tmp_path, sft_warm_start, dynamic):
+@pytest.mark.parametrize("variant", list(EXTRA))
+def test_resume_matches_an_uninterrupted_run(tmp_path, sft_warm_start, variant):
     # train() loads checkpoints with weights_only=True: hparams are plain values (instantiate _convert_="all")
     warm = sft_warm_start()
     ckpt = str(tmp_path / "mid.ckpt")
-    extra = tuple(DYNAMIC) if dynamic else ()
+    extra, dynamic = EXTRA[variant], variant == "dynamic_sampling"
     # Two optimizer steps per generation: 4 steps = 2 generations (one epoch), then one more generation.
     _, first = _run(tmp_path / "a", warm, 4, save=ckpt, extra=extra)
     resumed, second = _run(tmp_path / "b", warm, 6, ckpt_path=ckpt, extra=extra)
@@ -80,3 +86,6 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, sft_warm_start, dynamic):
     assert first + second == whole, "a resumed run must draw the same prompts and completions"
     for name, value in straight.items():
         torch.testing.assert_close(resumed[name], value, atol=1e-6, rtol=1e-5, msg=name)
+    if variant == "adaptive_entropy":
+        # 6 steps of +0.01 from 0: the resumed run carried on from the checkpoint's 0.04
+        assert straight["entropy_coef"].item() == pytest.approx(0.06)
