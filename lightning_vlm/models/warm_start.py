@@ -48,9 +48,9 @@ WARM_STARTS: dict[str, WarmStart] = {
     ),
     # One per answer-reward kind (data/vqa.py, conf/experiment/grpo_*.yaml), on 56-pixel images; each stops
     # where GRPO still has room (measured greedy / sampled: choice 0.90 / 0.10 after 60 steps, reading
-    # 0.87 / 0.76 after 300, counting 0.50 / 0.39 after 120, width within 4 pixels - / 0.37 after 300).
-    # One warm start on the mix of the four learned them too (0.41 / 0.71 / 0.85 greedy after 1000 steps),
-    # but GRPO on the mix then collapsed them into one another's answers.
+    # 0.87 / 0.76 after 300, counting 0.52 / 0.43 after 120, width within 4 pixels - / 0.37 after 300).
+    # One warm start on the mix learned the kinds too (greedy count 0.55, choice 0.71, reading 0.85 after
+    # 1000 steps), but GRPO on the mix then collapsed them into one another's answers.
     **{
         f"sft_{name}": WarmStart(
             steps, 1e-3, (f"data.synthetic.kinds=[{kind}]", "data.synthetic.image_size=56")
