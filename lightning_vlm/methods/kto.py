@@ -3,9 +3,10 @@
 Each row is encoded together with its *mismatched* completion (the previous row's answer in the
 batch over all ranks, TRL's rotation by one; ``mismatched_completions``) as a pair that shares the
 row's prompt and images, so the vision tower runs once per row (``preference_batch.encode_pairs``).
-The matched answer gives the implicit reward r = logπ - logπ_ref; the mismatched ones, over every rank's rows, give the reference point z0. TRL
-fixes the rotation once at preprocessing and so must not shuffle; here it is taken per batch, so the
-data can be shuffled and every epoch sees new mismatched pairs. The reference is a frozen copy, or
+The matched answer gives the implicit reward r = logπ - logπ_ref; the mismatched ones, over every
+rank's rows, give the reference point z0. TRL fixes the rotation once at preprocessing and so must not
+shuffle; here it is taken per batch, so the data can be shuffled and every epoch sees new mismatched
+pairs. The reference is a frozen copy, or
 the policy with its LoRA adapters disabled (``ReferenceModel``).
 """
 
