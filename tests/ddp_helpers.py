@@ -110,12 +110,13 @@ class SaveWeights(L.Callback):
 
 
 def write_variable_length_data(dirpath: Path, n: int = 32) -> Path:
-    """SFT and preference JSONL files (images as PNG files) whose answers have 1-5 words."""
+    """SFT and preference JSONL files (images as PNG files) whose answers have 1-5 words, and prompts
+    whose ``tie`` column marks the rows where :func:`online_helpers.tie_marked_reward_fn` ties."""
     from lightning_vlm.data.synthetic import make_sample
 
     dirpath.mkdir(parents=True, exist_ok=True)
     words = ["it", "is", "surely", "very"]
-    sft, preference = [], []
+    sft, preference, prompt = [], [], []
     for i in range(n):
         sample = make_sample(0, i)
         sample.image.save(dirpath / f"{i}.png")
@@ -130,7 +131,10 @@ def write_variable_length_data(dirpath: Path, n: int = 32) -> Path:
         preference.append(
             {"prompt": user, "chosen": said(answer), "rejected": said(wrong), "images": [f"{i}.png"]}
         )
-    for name, rows in (("sft", sft), ("preference", preference)):
+        # In batches of 4 read in order, the first row ties; in every other batch the second one too.
+        tie = i % 4 == 0 or i % 8 == 1
+        prompt.append({"prompt": user, "images": [f"{i}.png"], "solution": sample.answer, "tie": tie})
+    for name, rows in (("sft", sft), ("preference", preference), ("prompt", prompt)):
         (dirpath / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return dirpath
 
@@ -168,10 +172,11 @@ COMMON = [
     "data.synthetic.num_train=32", "method.optimizer._target_=torch.optim.SGD", "method.optimizer.lr=0.5",
     "trainer.max_steps=3",
 ]  # fmt: skip
-ONLINE = [
-    "+callbacks.keyed._target_=ddp_helpers.KeyedRollouts", "method.reward_funcs=[online_helpers.token_reward_fn]",
+GENERATION = [
+    "+callbacks.keyed._target_=ddp_helpers.KeyedRollouts",
     "method.num_generations=4", "method.max_completion_length=4", "method.micro_batch_size=2",
 ]  # fmt: skip
+ONLINE = [*GENERATION, "method.reward_funcs=[online_helpers.token_reward_fn]"]
 # Answers of 1 to 5 words: token counts differ between ranks, so only a loss normalised over all
 # ranks' tokens matches the one-process run (see write_variable_length_data).
 EQUIVALENCE: dict[str, list[str]] = {
@@ -203,6 +208,40 @@ EQUIVALENCE: dict[str, list[str]] = {
         "trainer.max_steps=4",
     ],  # fmt: skip
     "grpo_dr_grpo": ["method=grpo", *ONLINE, "method.loss_type=dr_grpo", "method.scale_rewards=batch"],
+    # GSPO: one ratio per sequence, clipped on the second step of each generation
+    "gspo": ["method=gspo", *ONLINE, "trainer.max_steps=4"],
+    # GDPO: each reward normalised in its group, then the weighted sum normalised over all ranks' rows
+    "gdpo": [
+        "method=grpo",
+        *GENERATION,
+        "method.reward_funcs=[online_helpers.token_reward_fn,online_helpers.first_token_reward_fn]",
+        "method.reward_weights=[1.0,0.5]",
+        "method.multi_objective_aggregation=normalize_then_sum",
+    ],  # fmt: skip
+    # CISPO's clipped IS weight and an entropy bonus whose controller follows all ranks' mean entropy.
+    # Measured: step 2's entropy is 3.07 on rank 0, 1.62 on rank 1, 2.23 over both; a target between
+    # them turns the bonus off on step 3 for the global mean only (a per-rank controller: diff 1.6e-3).
+    "grpo_cispo_entropy": [
+        "method=grpo",
+        *ONLINE,
+        "method.loss_type=cispo",
+        "method.epsilon_high=5.0",
+        "method.entropy_coef=0.05",
+        "method.use_adaptive_entropy=true",
+        "method.entropy_coef_delta=0.02",
+        "method.entropy_target=2.0",
+    ],  # fmt: skip
+    # DAPO's dynamic sampling, each rank filtering its own pool: one process's rounds of 2 prompts out of
+    # 4 vs two processes' rounds of 1 out of 2 (rows 0, 2 and 1, 3 of the global batch). The tied rows
+    # (first of each batch, and the second of every other) sit where both draw the same replacements:
+    # rank 0 alone or both ranks run a second round; the other rank joins it (a collective).
+    "dapo_dynamic_sampling": [
+        "method=dapo",
+        *GENERATION,
+        "method.reward_funcs=[online_helpers.tie_marked_reward_fn]",
+        "data.train=${oc.env:DDP_TEST_DATA}/prompt.jsonl",
+        "data.shuffle=false",
+    ],  # fmt: skip
     "rloo": ["method=rloo", *ONLINE, "method.normalize_advantages=true"],
     "online_dpo": ["method=online_dpo", *ONLINE, "method.num_generations=2"],
 }

@@ -39,6 +39,17 @@ def token_reward_fn(completions, completion_ids, **kwargs):
     return [float(sum(ids) % 7) for ids in completion_ids]
 
 
+def tie_marked_reward_fn(completions, completion_ids, tie, **kwargs):
+    """:func:`token_reward_fn`, but 0 for every completion of rows whose ``tie`` column is true (their
+    groups tie, so dynamic sampling filters them)."""
+    return [0.0 if t else float(sum(ids) % 7) for ids, t in zip(completion_ids, tie, strict=True)]
+
+
+def first_token_reward_fn(completions, completion_ids, **kwargs):
+    """A second reward, on another scale than :func:`token_reward_fn` (GDPO normalises each on its own)."""
+    return [float(ids[0] % 3) * 10.0 if ids else None for ids in completion_ids]
+
+
 def fit_steps(module: L.LightningModule, rows: list[dict], steps: int = 1, **trainer_kwargs) -> L.Trainer:
     """Run ``steps`` optimizer steps of ``module`` on ``rows`` (one batch = all rows), CPU, no logging."""
     trainer = L.Trainer(

@@ -3,7 +3,8 @@
 One torchrun launch runs every two-process scenario (``_ddp_scenarios.py``); each test compares
 its result with a one-process run made here:
 - world 2 × batch 2 and world 1 × batch 4 give the same weights after 3 optimizer steps, for every
-  method (the online ones on rollouts that depend only on the prompt, so both see the same samples),
+  method (the online ones on rollouts that depend only on the prompt, so both see the same samples;
+  GRPO with several loss types, GSPO, GDPO, the adaptive entropy bonus and dynamic sampling),
   under DDP and, for SFT, DPO, GRPO, RLOO and Online DPO, under FSDP (torch's FSDP runs on CPU);
 - each rank trains on a disjoint half of the epoch's rows, together the one-process rows, also
   across a mid-epoch resume, which continues bitwise exactly;
@@ -65,19 +66,22 @@ def two_processes(tiny_path, data_dir, tmp_path_factory):
     return out
 
 
-def _one_process(name: str, tmp_path) -> dict[str, torch.Tensor]:
+def _one_process(name: str, tmp_path) -> tuple[dict[str, torch.Tensor], dict]:
     path = tmp_path / f"{name}.pt"
     overrides = [*COMMON, *EQUIVALENCE[name], *ONE_PROCESS]
-    train(compose_train([*overrides, "+callbacks.save._target_=ddp_helpers.SaveWeights",
-                         f"+callbacks.save.path={path}"], tmp_path))  # fmt: skip
-    return torch.load(path, weights_only=True)
+    metrics, _ = train(compose_train([*overrides, "+callbacks.save._target_=ddp_helpers.SaveWeights",
+                                      f"+callbacks.save.path={path}"], tmp_path))  # fmt: skip
+    return torch.load(path, weights_only=True), metrics
 
 
 @pytest.mark.parametrize(
     ("strategy", "name"), [("ddp", n) for n in EQUIVALENCE] + [("fsdp", n) for n in FSDP_EQUIVALENCE]
 )
 def test_two_processes_update_like_one(strategy, name, two_processes, tiny_path, tmp_path):
-    one = _one_process(name, tmp_path)
+    one, metrics = _one_process(name, tmp_path)
+    if "dynamic_sampling" in name:  # the last step's pool had two tied groups: filtered, then replaced
+        assert metrics["train/dynamic_sampling/groups_filtered"] == 2
+        assert metrics["train/dynamic_sampling/groups_kept"] == 2
     two = torch.load(two_processes / f"{name if strategy == 'ddp' else 'fsdp_' + name}.pt", weights_only=True)
     from lightning_vlm.models.vlm import VLM
 
