@@ -11,7 +11,13 @@ import torch
 
 from lightning_vlm.data.rows import RowError, normalize_row
 from lightning_vlm.data.synthetic import synthetic_rows
-from lightning_vlm.losses.kto import kto_losses, kto_metrics, kto_reference_point, ranking_accuracy
+from lightning_vlm.losses.kto import (
+    kto_losses,
+    kto_metrics,
+    kto_reference_point,
+    kto_weight_advice,
+    ranking_accuracy,
+)
 
 
 def sig(x: float) -> float:
@@ -75,6 +81,33 @@ def test_metrics_follow_trls_names():
 def test_bad_settings_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         kto_losses(t(1.0), torch.tensor([True]), 0.0, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("counts", "weights", "ranges"),
+    [
+        ((100, 100), (1.0, 1.0), None),  # ratio 1: the range's low end
+        ((4, 3), (1.0, 1.0), None),  # 4/3: its high end
+        ((100, 100), (1.0, 0.8), None),  # 1.25
+        # ratio 3: λ_D in [1·1/3, 4/3·1/3], or λ_U in [3·3/4, 3]
+        ((300, 100), (1.0, 1.0), ("0.333, 0.444", "2.25, 3")),
+        # balanced data, λ_D = 2 (TRL says nothing): λ_D in [1, 1.33] or λ_U in [1.5, 2]
+        ((100, 100), (2.0, 1.0), ("1, 1.33", "1.5, 2")),
+        # TRL's docs' 1:10 example: λ_D in [10, 13.3] or λ_U in [0.075, 0.1]
+        ((100, 1000), (1.0, 1.0), ("10, 13.3", "0.075, 0.1")),
+    ],
+)
+def test_weight_advice_keeps_the_papers_ratio_range(counts, weights, ranges):
+    advice = kto_weight_advice(*counts, *weights)
+    if ranges is None:
+        assert advice is None
+    else:
+        assert f"desirable_weight in [{ranges[0]}]" in advice and f"undesirable_weight in [{ranges[1]}]" in advice
+
+
+def test_weight_advice_names_a_missing_label():
+    assert "no undesirable rows (5 desirable, 0 undesirable)" in kto_weight_advice(5, 0, 1.0, 1.0)
+    assert "no desirable rows" in kto_weight_advice(0, 5, 1.0, 1.0)
 
 
 def test_unpaired_rows_normalise_and_bad_labels_name_row_and_column():

@@ -66,3 +66,22 @@ def test_a_bad_pair_names_its_unpaired_row_and_the_pair_rule(folder):  # noqa: F
     dm = UnpairedDataModule(train=write(folder, "jsonl", pairs), shuffle=False)
     with pytest.raises(RowError, match=r"row 2i\+1: its rejected one\), row 3, column 'completion'"):
         dm.setup()
+
+
+def test_fit_warns_when_the_weights_do_not_suit_the_label_balance(folder, tiny_path, caplog):  # noqa: F811
+    import torch
+
+    from lightning_vlm.methods.kto import KTO
+    from lightning_vlm.models.vlm import VLM
+
+    pairs = good_rows("preference")  # 3 pairs: 3 desirable and 3 undesirable rows
+    unpaired = [{"prompt": p["prompt"], "completion": p["chosen"], "label": True, "images": p.get("images")
+                 or [p["image"]]} for p in pairs]  # fmt: skip
+    dm = UnpairedDataModule(train=write(folder, "jsonl", unpaired + [{**unpaired[0], "label": False}]))
+    assert dm.label_counts() == (3, 1)
+    module = KTO(VLM(tiny_path()), optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
+    with caplog.at_level("WARNING"):
+        advice = module.check_weights(dm)
+    assert "= 3, outside the paper's [1, 4/3]" in advice and advice in caplog.text
+    balanced = UnpairedDataModule(train=write(folder, "jsonl", good_rows("preference")))
+    assert balanced.label_counts() == (3, 3) and module.check_weights(balanced) is None

@@ -280,6 +280,12 @@ class UnpairedDataModule(VLMDataModule):
     def load(self, spec: str | dict, split: str, synthetic_split: str) -> Source:
         return unpair(super().load(spec, split, synthetic_split), self.row_format.column_map)
 
+    def label_counts(self) -> tuple[int, int]:
+        """(desirable, undesirable) training rows (a pass over the text; images stay undecoded)."""
+        self.setup()
+        desirable = sum(bool(row["label"]) for row in self.train_dataset.normalized())
+        return desirable, len(self.train_dataset) - desirable
+
 
 class PromptDataModule(VLMDataModule):
     """Prompt rows for online methods: ``prompt``, ``images`` and every other column for the rewards."""

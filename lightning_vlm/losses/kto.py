@@ -15,6 +15,34 @@ from torch import Tensor
 KTO_LOSS_TYPES: tuple[str, ...] = ("kto", "apo_zero_unpaired")
 
 
+def kto_weight_advice(
+    num_desirable: int, num_undesirable: int, desirable_weight: float, undesirable_weight: float
+) -> str | None:
+    """Why the weights do not suit the data's label balance, or None when they do.
+
+    The paper recommends λ_D·n_D / (λ_U·n_U) in [1, 4/3] (TRL cites its eq. 8 and warns with the same
+    advice: move EITHER weight into its range). TRL checks only when the counts differ; the range holds
+    for unequal weights on balanced data too, so this checks it always.
+    """
+    if num_desirable == 0 or num_undesirable == 0:
+        side = "undesirable" if num_undesirable == 0 else "desirable"
+        return (
+            f"the training data has no {side} rows ({num_desirable} desirable, {num_undesirable} "
+            f"undesirable): only one side of KTO's loss is trained"
+        )
+    ratio = desirable_weight * num_desirable / (undesirable_weight * num_undesirable)
+    if 1.0 <= ratio <= 4.0 / 3.0:
+        return None
+    d_low = undesirable_weight * num_undesirable / num_desirable
+    u_high = desirable_weight * num_desirable / num_undesirable
+    return (
+        f"desirable_weight * n_desirable / (undesirable_weight * n_undesirable) = {desirable_weight:g} * "
+        f"{num_desirable} / ({undesirable_weight:g} * {num_undesirable}) = {ratio:.3g}, outside the paper's "
+        f"[1, 4/3]: set EITHER method.desirable_weight in [{d_low:.3g}, {d_low * 4 / 3:.3g}] OR "
+        f"method.undesirable_weight in [{u_high * 3 / 4:.3g}, {u_high:.3g}]"
+    )
+
+
 def kto_reference_point(kl_logratios: Tensor) -> Tensor:
     """z0 = max(0, mean_j [logπ(y'_j|x_j) - logπ_ref(y'_j|x_j)]), detached.
 

@@ -14,13 +14,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torchmetrics import MeanMetric
 
 from lightning_vlm.generation.hf import HFGenerator
-from lightning_vlm.losses.kto import KTO_LOSS_TYPES, kto_losses, kto_metrics, kto_reference_point
+from lightning_vlm.losses.kto import (
+    KTO_LOSS_TYPES,
+    kto_losses,
+    kto_metrics,
+    kto_reference_point,
+    kto_weight_advice,
+)
 from lightning_vlm.methods.common import (
     FactoryOptimized,
     greedy_answer_hits,
@@ -36,6 +42,15 @@ from lightning_vlm.settings_check import check_positive
 log = logging.getLogger(__name__)
 METRICS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
            "logps/chosen", "logps/rejected")  # fmt: skip
+
+
+@runtime_checkable
+class LabeledData(Protocol):
+    """Training data that can count its labels (``UnpairedDataModule``)."""
+
+    def label_counts(self) -> tuple[int, int]:
+        """(desirable, undesirable) training rows."""
+        ...
 
 
 def reference_answers(rows: list[dict]) -> list[str | None]:
@@ -177,3 +192,14 @@ class KTO(FactoryOptimized):
 
     def on_fit_start(self) -> None:
         self.ref.to(self.device)
+        self.check_weights(self.trainer.datamodule)
+
+    def check_weights(self, data: object) -> str | None:
+        """Warns (rank 0) when the weights do not suit the training data's label balance; returns why."""
+        if not isinstance(data, LabeledData):
+            return None
+        advice = kto_weight_advice(*data.label_counts(), self.hparams.desirable_weight,
+                                   self.hparams.undesirable_weight)  # fmt: skip
+        if advice is not None and rank() == 0:
+            log.warning("KTO: %s", advice)
+        return advice
