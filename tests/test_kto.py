@@ -102,7 +102,10 @@ def test_weight_advice_keeps_the_papers_ratio_range(counts, weights, ranges):
     if ranges is None:
         assert advice is None
     else:
-        assert f"desirable_weight in [{ranges[0]}]" in advice and f"undesirable_weight in [{ranges[1]}]" in advice
+        assert (
+            f"desirable_weight in [{ranges[0]}]" in advice
+            and f"undesirable_weight in [{ranges[1]}]" in advice
+        )
 
 
 def test_weight_advice_names_a_missing_label():
