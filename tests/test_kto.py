@@ -103,8 +103,8 @@ def test_weight_advice_keeps_the_papers_ratio_range(counts, weights, ranges):
         assert advice is None
     else:
         assert (
-            f"desirable_weight in [{ranges[0]}]" in advice
-            and f"undesirable_weight in [{ranges[1]}]" in advice
+            f"method.desirable_weight in [{ranges[0]}]" in advice
+            and f"method.undesirable_weight in [{ranges[1]}]" in advice
         )
 
 
