@@ -18,6 +18,7 @@ import logging
 import secrets
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -55,7 +56,7 @@ class VLLMGeneration(L.Callback):
         retries: int = 1,
         reconnect_timeout: float = 300.0,
         api_key: str | None = None,
-        wait_for_server: float = 180.0,
+        wait_for_server: float = 240.0,
         weight_transfer: str = "folder",
         sync_dir: str | None = None,
     ) -> None:
@@ -114,19 +115,17 @@ class VLLMGeneration(L.Callback):
             # One engine per rank; different seeds, so the ranks' unseeded draws are independent.
             engine = EngineOptions.build(self.engine, seed=self.engine.seed + trainer.global_rank)
             return VLLMColocateGenerator(vlm, engine=engine, weight_sync=self.weight_sync)
-        from lightning_vlm.generation.vllm_server_client import VLLMServerClient
-        from lightning_vlm.serving.process import start_server
+        from lightning_vlm.generation.vllm_server_client import VLLMServerClient, VLLMServerError
 
         if self.start_server:
             started = None
             if trainer.is_global_zero:
-                # Loopback: the other ranks of this machine reach it; several machines need a server
-                # started by hand on an address they all reach (server_url). A fresh key: on a shared
-                # machine other users must not reach its weight and dev routes.
-                self.server["api_key"] = self.server["api_key"] or secrets.token_urlsafe(24)
-                self._server_process, url = start_server(vlm.model_name_or_path, args=self._server_cli_args())
-                started = (url, self.server["api_key"])
-            self.server["url"], self.server["api_key"] = trainer.strategy.broadcast(started)
+                started = self._launch(vlm.model_name_or_path, Path(trainer.default_root_dir))
+            # Every rank learns the outcome, so a failed start raises everywhere instead of leaving the
+            # other ranks waiting in a collective.
+            self.server["url"], self.server["api_key"], error = trainer.strategy.broadcast(started)
+            if error is not None:
+                raise VLLMServerError(error)
         try:
             client = VLLMServerClient(**self.server)
             client.wait_until_ready(self.wait_for_server)
@@ -134,6 +133,26 @@ class VLLMGeneration(L.Callback):
         except Exception:
             self._stop_owned_server()
             raise
+
+    def _launch(self, model: str, run_dir: Path) -> tuple[str | None, str | None, str | None]:
+        """Rank 0 starts the server it owns and waits for it: (url, api key, None), or (None, None, why)."""
+        from lightning_vlm.generation.vllm_server_client import VLLMServerClient
+        from lightning_vlm.serving.process import ServerStartError, launch_server
+
+        # Loopback: the other ranks of this machine reach it; several machines need a server started
+        # by hand on an address they all reach (server_url). A fresh key: on a shared machine other
+        # users must not reach its weight and dev routes.
+        key = self.server["api_key"] = self.server["api_key"] or secrets.token_urlsafe(24)
+        connect = self.server["connect_timeout"]
+        try:
+            self._server_process, url = launch_server(
+                model, self._server_cli_args(), run_dir / "vllm_server.log", self.wait_for_server,
+                lambda url: VLLMServerClient(url, connect_timeout=connect).health(),
+            )  # fmt: skip
+        except ServerStartError as e:
+            return None, None, str(e)
+        log.info("vLLM server log: %s", run_dir / "vllm_server.log")
+        return url, key, None
 
     @staticmethod
     def _shield(pl_module: OnlineRL) -> None:

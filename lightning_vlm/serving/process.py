@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -31,6 +37,56 @@ def start_server(
     if log_path:
         out.close()  # the child holds its own descriptor
     return proc, f"http://{host}:{port}"
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not answer ``/health`` in time; the message has its log's last lines."""
+
+
+def launch_server(
+    model: str, args: list[str], log_path: str | Path, wait: float, healthy: Callable[[str], bool],
+    attempts: int = 3, poll: float = 1.0,
+) -> tuple[subprocess.Popen, str]:  # fmt: skip
+    """Start the server on a free port and wait until ``healthy(url)``; returns (process, url).
+
+    Its output goes to ``log_path`` (appended). A server that exits while loading fails at once with
+    its log's tail, not after ``wait`` seconds. The port is free when picked but only bound once vLLM
+    has imported (seconds later), so another process can take it in between: that exit is retried on a
+    new port, ``attempts`` times in all.
+    """
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    for attempt in range(1, attempts + 1):
+        proc, url = start_server(model, args=args, log_path=str(log_path))
+        deadline = time.monotonic() + wait
+        while not healthy(url):
+            code = proc.poll()
+            if code is not None:
+                tail = log_tail(log_path)
+                if "Address already in use" in tail and attempt < attempts:
+                    logger.warning(
+                        "vLLM server: port of %s taken before it bound it; retrying on another port", url
+                    )
+                    break
+                raise ServerStartError(f"vLLM server ({url}) exited with code {code} while starting; "
+                                       f"last lines of {log_path}:\n{tail}")  # fmt: skip
+            if time.monotonic() > deadline:
+                stop_server(proc)
+                raise ServerStartError(f"vLLM server ({url}) did not answer /health within {wait:g} s "
+                                       f"(callbacks.vllm_generation.wait_for_server); last lines of "
+                                       f"{log_path}:\n{log_tail(log_path)}")  # fmt: skip
+            time.sleep(poll)
+        else:
+            return proc, url
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def log_tail(path: str | Path, lines: int = 30) -> str:
+    """The last ``lines`` lines of a text file ('' if it does not exist)."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
 
 
 def _terminate_with_parent() -> None:
