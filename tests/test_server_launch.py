@@ -10,7 +10,7 @@ import pytest
 
 from lightning_vlm.generation.vllm_server_client import VLLMServerClient
 from lightning_vlm.serving import process
-from lightning_vlm.serving.process import ServerStartError, launch_server, stop_server
+from lightning_vlm.serving.process import ServerStartError, launch_server, log_tail, stop_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -43,3 +43,14 @@ def test_a_port_taken_before_vllm_binds_it_is_retried_on_another(tiny_path, tmp_
         assert "retrying on another port" in caplog.text
     finally:
         stop_server(proc)
+
+
+def test_the_log_tail_is_this_attempts_lines(tmp_path):
+    log = tmp_path / "vllm_server.log"
+    assert log_tail(log) == ""
+    log.write_text("Address already in use (an earlier attempt)\n")
+    start = log.stat().st_size
+    with open(log, "a") as f:
+        f.write("loading\nout of memory\n")
+    assert log_tail(log, start) == "loading\nout of memory"
+    assert log_tail(log, start, lines=1) == "out of memory"

@@ -54,14 +54,18 @@ def launch_server(
     has imported (seconds later), so another process can take it in between: that exit is retried on a
     new port, ``attempts`` times in all.
     """
-    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     for attempt in range(1, attempts + 1):
+        # This attempt's lines only: the log is appended to (earlier attempts, earlier runs).
+        start = log_path.stat().st_size if log_path.exists() else 0
         proc, url = start_server(model, args=args, log_path=str(log_path))
         deadline = time.monotonic() + wait
         while not healthy(url):
             code = proc.poll()
             if code is not None:
-                tail = log_tail(log_path)
+                stop_server(proc)  # reaps whatever it had started (its process group)
+                tail = log_tail(log_path, start)
                 if "Address already in use" in tail and attempt < attempts:
                     logger.warning(
                         "vLLM server: port of %s taken before it bound it; retrying on another port", url
@@ -73,17 +77,19 @@ def launch_server(
                 stop_server(proc)
                 raise ServerStartError(f"vLLM server ({url}) did not answer /health within {wait:g} s "
                                        f"(callbacks.vllm_generation.wait_for_server); last lines of "
-                                       f"{log_path}:\n{log_tail(log_path)}")  # fmt: skip
+                                       f"{log_path}:\n{log_tail(log_path, start)}")  # fmt: skip
             time.sleep(poll)
         else:
             return proc, url
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
-def log_tail(path: str | Path, lines: int = 30) -> str:
-    """The last ``lines`` lines of a text file ('' if it does not exist)."""
+def log_tail(path: str | Path, start: int = 0, lines: int = 30) -> str:
+    """The last ``lines`` lines of a text file from byte ``start`` on ('' if it does not exist)."""
     try:
-        text = Path(path).read_text(errors="replace")
+        with open(path, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
     except FileNotFoundError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
