@@ -89,8 +89,10 @@ def test_bad_settings_raise(kwargs, match):
         ((100, 100), (1.0, 1.0), None),  # ratio 1: the range's low end
         ((4, 3), (1.0, 1.0), None),  # 4/3: its high end
         ((100, 100), (1.0, 0.8), None),  # 1.25
-        # ratio 3: λ_D in [1·1/3, 4/3·1/3], or λ_U in [3·3/4, 3]
-        ((300, 100), (1.0, 1.0), ("0.333, 0.444", "2.25, 3")),
+        # ratio 3: λ_D in [1·1/3, 4/3·1/3], or λ_U in [3·3/4, 3] (rounded inwards)
+        ((300, 100), (1.0, 1.0), ("0.334, 0.444", "2.25, 3")),
+        # ratio 1.5: λ_D in [0.667, 0.888], λ_U in [1.13, 1.5]: 1.12 would give 1.34, still out
+        ((3, 2), (1.0, 1.0), ("0.667, 0.888", "1.13, 1.5")),
         # balanced data, λ_D = 2 (TRL says nothing): λ_D in [1, 1.33] or λ_U in [1.5, 2]
         ((100, 100), (2.0, 1.0), ("1, 1.33", "1.5, 2")),
         # TRL's docs' 1:10 example: λ_D in [10, 13.3] or λ_U in [0.075, 0.1]
@@ -108,9 +110,24 @@ def test_weight_advice_keeps_the_papers_ratio_range(counts, weights, ranges):
         )
 
 
+@pytest.mark.parametrize("counts", [(3, 2), (2, 3), (7, 1000), (1000, 7), (13, 9)])
+def test_every_advised_bound_is_inside_the_range(counts):
+    import re
+
+    advice = kto_weight_advice(*counts, 1.0, 1.0)
+    (d_low, d_high), (u_low, u_high) = [
+        map(float, m) for m in re.findall(r"in \[([\d.e+-]+), ([\d.e+-]+)\]", advice)
+    ]
+    n_d, n_u = counts
+    for weight_d, weight_u in ((d_low, 1.0), (d_high, 1.0), (1.0, u_low), (1.0, u_high)):
+        assert kto_weight_advice(n_d, n_u, weight_d, weight_u) is None, (weight_d, weight_u)
+
+
 def test_weight_advice_names_a_missing_label():
     assert "no undesirable rows (5 desirable, 0 undesirable)" in kto_weight_advice(5, 0, 1.0, 1.0)
     assert "no desirable rows" in kto_weight_advice(0, 5, 1.0, 1.0)
+    assert "method.undesirable_weight is 0" in kto_weight_advice(5, 5, 1.0, 0.0)  # not a division by 0
+    assert "method.desirable_weight is 0" in kto_weight_advice(5, 5, 0.0, 1.0)
 
 
 def test_unpaired_rows_normalise_and_bad_labels_name_row_and_column():

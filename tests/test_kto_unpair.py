@@ -68,20 +68,27 @@ def test_a_bad_pair_names_its_unpaired_row_and_the_pair_rule(folder):  # noqa: F
         dm.setup()
 
 
-def test_fit_warns_when_the_weights_do_not_suit_the_label_balance(folder, tiny_path, caplog):  # noqa: F811
-    import torch
-
-    from lightning_vlm.methods.kto import KTO
-    from lightning_vlm.models.vlm import VLM
+def test_fit_warns_when_the_weights_do_not_suit_the_label_balance(folder, tmp_path, caplog):  # noqa: F811
+    from helpers import compose_train
+    from lightning_vlm.training import train
 
     pairs = good_rows("preference")  # 3 pairs: 3 desirable and 3 undesirable rows
     unpaired = [{"prompt": p["prompt"], "completion": p["chosen"], "label": True, "images": p.get("images")
                  or [p["image"]]} for p in pairs]  # fmt: skip
-    dm = UnpairedDataModule(train=write(folder, "jsonl", unpaired + [{**unpaired[0], "label": False}]))
-    assert dm.label_counts() == (3, 1)
-    module = KTO(VLM(tiny_path()), optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
-    with caplog.at_level("WARNING"):
-        advice = module.check_weights(dm)
-    assert "= 3, outside the paper's [1, 4/3]" in advice and advice in caplog.text
-    balanced = UnpairedDataModule(train=write(folder, "jsonl", good_rows("preference")))
-    assert balanced.label_counts() == (3, 3) and module.check_weights(balanced) is None
+    path = write(folder, "jsonl", unpaired + [{**unpaired[0], "label": False}])
+    assert UnpairedDataModule(train=path).label_counts() == (3, 1)
+    run = ["method=kto", f"data.train={path}", "tiny_start=random", "logger=none", "callbacks=none",
+           "trainer.max_steps=1", "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
+           "validate_before_fit=false", "data.batch_size=4"]  # fmt: skip
+    with caplog.at_level("WARNING", logger="lightning_vlm.methods.kto"):
+        train(compose_train(run, tmp_path / "3to1"))
+    assert (
+        "= 3, outside the paper's [1, 4/3]: set EITHER method.desirable_weight in [0.334, 0.444]"
+        in caplog.text
+    )
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lightning_vlm.methods.kto"):
+        train(compose_train([*run, "method.desirable_weight=0.4"], tmp_path / "weighted"))
+    assert "outside the paper's" not in caplog.text
+    # write() reuses the folder's data file: the pairs last
+    assert UnpairedDataModule(train=write(folder, "jsonl", pairs)).label_counts() == (3, 3)

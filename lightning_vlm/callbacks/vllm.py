@@ -143,14 +143,23 @@ class VLLMGeneration(L.Callback):
         # by hand on an address they all reach (server_url). A fresh key: on a shared machine other
         # users must not reach its weight and dev routes.
         key = self.server["api_key"] = self.server["api_key"] or secrets.token_urlsafe(24)
-        connect = self.server["connect_timeout"]
+        clients: dict[str, VLLMServerClient] = {}  # one session per url polled
+
+        def healthy(url: str) -> bool:
+            if url not in clients:
+                clients[url] = VLLMServerClient(url, connect_timeout=self.server["connect_timeout"])
+            return clients[url].health()
+
+        # The other ranks wait in the broadcast meanwhile: wait_for_server must stay under the process
+        # group's timeout (Lightning's default: 30 min). Any failure is returned, so that they learn it.
         try:
             self._server_process, url = launch_server(
-                model, self._server_cli_args(), run_dir / "vllm_server.log", self.wait_for_server,
-                lambda url: VLLMServerClient(url, connect_timeout=connect).health(),
-            )  # fmt: skip
+                model, self._server_cli_args(), run_dir / "vllm_server.log", self.wait_for_server, healthy
+            )
         except ServerStartError as e:
-            return None, None, str(e)
+            return None, None, f"{e}\n(callbacks.vllm_generation.wait_for_server={self.wait_for_server:g} s)"
+        except Exception as e:  # noqa: BLE001 (re-raised on every rank after the broadcast)
+            return None, None, f"starting the vLLM server failed: {type(e).__name__}: {e}"
         log.info("vLLM server log: %s", run_dir / "vllm_server.log")
         return url, key, None
 

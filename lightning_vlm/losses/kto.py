@@ -9,6 +9,8 @@ this row's prompt), detached and clamped at 0 (eq. 8 of the paper).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -24,6 +26,9 @@ def kto_weight_advice(
     advice: move EITHER weight into its range). TRL checks only when the counts differ; the range holds
     for unequal weights on balanced data too, so this checks it always.
     """
+    for name, weight in (("desirable_weight", desirable_weight), ("undesirable_weight", undesirable_weight)):
+        if weight == 0:
+            return f"method.{name} is 0: those rows teach nothing (only one side of KTO's loss is trained)"
     if num_desirable == 0 or num_undesirable == 0:
         side = "undesirable" if num_undesirable == 0 else "desirable"
         return (
@@ -38,9 +43,20 @@ def kto_weight_advice(
     return (
         f"desirable_weight * n_desirable / (undesirable_weight * n_undesirable) = {desirable_weight:g} * "
         f"{num_desirable} / ({undesirable_weight:g} * {num_undesirable}) = {ratio:.3g}, outside the paper's "
-        f"[1, 4/3]: set EITHER method.desirable_weight in [{d_low:.3g}, {d_low * 4 / 3:.3g}] OR "
-        f"method.undesirable_weight in [{u_high * 3 / 4:.3g}, {u_high:.3g}]"
+        f"[1, 4/3]: set EITHER method.desirable_weight in {_inward(d_low, d_low * 4 / 3)} OR "
+        f"method.undesirable_weight in {_inward(u_high * 3 / 4, u_high)}"
     )
+
+
+def _inward(low: float, high: float, digits: int = 3) -> str:
+    """``[low, high]`` to ``digits`` significant digits, rounded inwards: any value printed is in range."""
+
+    def rounded(x: float, up: bool) -> float:
+        scale = 10.0 ** (digits - 1 - math.floor(math.log10(abs(x))))
+        # The 1e-9 keeps a float just past a round number (0.0750000001) from rounding outwards.
+        return (math.ceil(x * scale - 1e-9) if up else math.floor(x * scale + 1e-9)) / scale
+
+    return f"[{rounded(low, True):g}, {rounded(high, False):g}]"
 
 
 def kto_reference_point(kl_logratios: Tensor) -> Tensor:

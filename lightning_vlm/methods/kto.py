@@ -196,10 +196,10 @@ class KTO(FactoryOptimized):
 
     def check_weights(self, data: object) -> str | None:
         """Warns (rank 0) when the weights do not suit the training data's label balance; returns why."""
-        if not isinstance(data, LabeledData):
+        if not isinstance(data, LabeledData) or rank() != 0:  # every rank holds the same data
             return None
         advice = kto_weight_advice(*data.label_counts(), self.hparams.desirable_weight,
                                    self.hparams.undesirable_weight)  # fmt: skip
-        if advice is not None and rank() == 0:
+        if advice is not None:
             log.warning("KTO: %s", advice)
         return advice

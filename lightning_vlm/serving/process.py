@@ -54,34 +54,47 @@ def launch_server(
     has imported (seconds later), so another process can take it in between: that exit is retried on a
     new port, ``attempts`` times in all.
     """
+    if attempts < 1:
+        raise ValueError(f"attempts must be >= 1, got {attempts}")
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     for attempt in range(1, attempts + 1):
         # This attempt's lines only: the log is appended to (earlier attempts, earlier runs).
         start = log_path.stat().st_size if log_path.exists() else 0
         proc, url = start_server(model, args=args, log_path=str(log_path))
-        deadline = time.monotonic() + wait
-        while not healthy(url):
-            code = proc.poll()
-            if code is not None:
-                stop_server(proc)  # reaps whatever it had started (its process group)
-                tail = log_tail(log_path, start)
-                if "Address already in use" in tail and attempt < attempts:
-                    logger.warning(
-                        "vLLM server: port of %s taken before it bound it; retrying on another port", url
-                    )
-                    break
-                raise ServerStartError(f"vLLM server ({url}) exited with code {code} while starting; "
-                                       f"last lines of {log_path}:\n{tail}")  # fmt: skip
-            if time.monotonic() > deadline:
-                stop_server(proc)
-                raise ServerStartError(f"vLLM server ({url}) did not answer /health within {wait:g} s "
-                                       f"(callbacks.vllm_generation.wait_for_server); last lines of "
-                                       f"{log_path}:\n{log_tail(log_path, start)}")  # fmt: skip
-            time.sleep(poll)
-        else:
+        try:
+            retry = _wait_ready(proc, url, log_path, start, wait, healthy, poll, attempt < attempts)
+        except BaseException:
+            stop_server(proc)  # never leave a half-started server behind (an error, Ctrl-C)
+            raise
+        if not retry:
             return proc, url
+        stop_server(proc)  # reaps what the exited attempt left (its process group)
+        logger.warning("vLLM server: the port of %s was taken before it bound it; retrying on another", url)
     raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _wait_ready(
+    proc: subprocess.Popen, url: str, log_path: Path, start: int, wait: float,
+    healthy: Callable[[str], bool], poll: float, may_retry: bool,
+) -> bool:  # fmt: skip
+    """Until ``proc`` answers ``/health``: False when it does; True when it lost its port (retry)."""
+    deadline = time.monotonic() + wait
+    while True:
+        code = proc.poll()
+        # A healthy answer counts only while our process lives: one that exited cannot have given it.
+        if code is None and healthy(url) and proc.poll() is None:
+            return False
+        if code is not None:
+            tail = log_tail(log_path, start)
+            if "Address already in use" in tail and may_retry:
+                return True
+            raise ServerStartError(f"vLLM server ({url}) exited with code {code} while starting; last "
+                                   f"lines of {log_path}:\n{tail}")  # fmt: skip
+        if time.monotonic() > deadline:
+            raise ServerStartError(f"vLLM server ({url}) did not answer /health within {wait:g} s; last "
+                                   f"lines of {log_path}:\n{log_tail(log_path, start)}")  # fmt: skip
+        time.sleep(poll)
 
 
 def log_tail(path: str | Path, start: int = 0, lines: int = 30) -> str:
