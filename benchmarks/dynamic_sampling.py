@@ -1,7 +1,9 @@
 """Completions generated until GRPO gains +0.2 on the colour task, with and without dynamic sampling.
 
 Usage: ``python benchmarks/dynamic_sampling.py [--steps 200] [--seeds 0 1 2] [--num-generations 4]
-[--out benchmarks/results/dynamic_sampling.json]`` (``--num-generations 2`` wrote ``dynamic_sampling_g2.json``).
+[--lrs LR ...] [--out benchmarks/results/dynamic_sampling.json]`` (``--num-generations 2`` wrote
+``dynamic_sampling_g2.json``; ``--steps 240 --lrs 2.5e-4 5e-4 7e-4 8.5e-4 1e-3 1.2e-3 1.5e-3 2e-3`` wrote
+``dynamic_sampling_lr.json``, which also compares each method at its own best learning rate).
 Both runs are ``train.py`` from the tiny Qwen2.5-VL's SFT warm start with ``num_generations=4`` (with 8
 samples almost no group of the warm start ties: 0.38^8 + 0.62^8 = 2 %; with 4, 17 %; with 2, half) and 8 groups
 trained per step: ``method=grpo`` (8 prompts per step) and ``method=dapo``'s dynamic sampling (a pool of
@@ -11,7 +13,9 @@ every ``--every`` steps; the figure is ``train/completions_generated`` (all comp
 filtered ones included) when the validation curve first reaches 0.2 above the starting value, read by
 linear interpolation between the two validations around that point. Each run is repeated with several
 training seeds (data order and sampling; the warm start is shared) and the medians are compared: one run
-of each is too noisy to decide (validation moves by +-0.05 between neighbouring points).
+of each is too noisy to decide (validation moves by +-0.05 between neighbouring points). The counts
+are deterministic on one machine (same seeds, same threads), so separate invocations over parts of a
+learning-rate grid give the numbers one invocation would.
 """
 
 from __future__ import annotations
@@ -39,10 +43,14 @@ RUNS = {
 }
 
 
-def run(name: str, steps: int, every: int, seed: int, generations: int, folder: Path) -> list[dict]:
+def run(
+    name: str, steps: int, every: int, seed: int, generations: int, folder: Path, lr: float | None = None
+) -> list[dict]:
     """One ``train.py`` run; (step, completions generated, val reward) at every validation."""
     args = [*RUNS[name], *COMMON, f"method.num_generations={generations}", f"trainer.max_steps={steps}",
             f"trainer.val_check_interval={every}", f"seed={seed}", f"hydra.run.dir={folder}"]  # fmt: skip
+    if lr is not None:
+        args.append(f"method.optimizer.lr={lr}")
     done = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, capture_output=True, text=True
     )
@@ -76,6 +84,40 @@ def first_gain(points: list[dict], gain: float) -> dict | None:
     return None
 
 
+def summarize(results: dict[str, list[dict]]) -> dict:
+    """Medians over seeds; a run that never reaches the gain counts as the most expensive one."""
+
+    def median(name: str, key: str) -> float | None:
+        values = [r["reached"][key] if r["reached"] else float("inf") for r in results[name]]
+        value = statistics.median(values)
+        return None if value == float("inf") else value
+
+    completions = {name: median(name, "completions") for name in RUNS}
+    a, b = completions["grpo"], completions["dynamic_sampling"]
+    return {
+        "median_completions_to_gain": completions,
+        "median_steps_to_gain": {name: median(name, "step") for name in RUNS},
+        "ratio_dynamic_over_grpo": (b / a) if a and b else None,
+        "final_val_reward": {name: statistics.median(r["curve"][-1]["val_reward"] for r in results[name])
+                             for name in RUNS},
+    }  # fmt: skip
+
+
+def best_lr(by_lr: dict[str, dict]) -> dict:
+    """Each method at its own best learning rate (fewest median completions to the gain): the fair
+    comparison when one method tolerates larger steps than the other."""
+    best: dict[str, dict] = {}
+    for name in RUNS:
+        reached = {lr: s["median_completions_to_gain"][name] for lr, s in by_lr.items()
+                   if s["median_completions_to_gain"][name] is not None}  # fmt: skip
+        if reached:
+            lr = min(reached, key=reached.__getitem__)
+            best[name] = {"lr": float(lr), "completions": reached[lr],
+                          "steps": by_lr[lr]["median_steps_to_gain"][name]}  # fmt: skip
+    a, b = best.get("grpo"), best.get("dynamic_sampling")
+    return {**best, "ratio_dynamic_over_grpo": b["completions"] / a["completions"] if a and b else None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -83,39 +125,32 @@ def main() -> None:
     parser.add_argument("--gain", type=float, default=0.2)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--num-generations", type=int, default=4)
+    # learning rates to sweep (both methods at each); none = the config's (scale.lr.online)
+    parser.add_argument("--lrs", type=float, nargs="+", default=None)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "dynamic_sampling.json"))
     args = parser.parse_args()
-    results: dict[str, list[dict]] = {name: [] for name in RUNS}
+    by_lr: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for seed in args.seeds:
-            for name in RUNS:
-                points = run(
-                    name, args.steps, args.every, seed, args.num_generations, Path(tmp) / f"{name}-{seed}"
-                )
-                hit = first_gain(points, args.gain)
-                results[name].append({"seed": seed, "curve": points, "reached": hit})
-                print(name, f"seed {seed} reached +{args.gain:.1f} at", hit, flush=True)
-
-    def median(name: str, key: str) -> float | None:
-        # a run that never reaches the gain counts as the most expensive one
-        values = [r["reached"][key] if r["reached"] else float("inf") for r in results[name]]
-        value = statistics.median(values)
-        return None if value == float("inf") else value
-
-    completions = {name: median(name, "completions") for name in RUNS}
-    a, b = completions["grpo"], completions["dynamic_sampling"]
-    summary = {
-        "median_completions_to_gain": completions,
-        "median_steps_to_gain": {name: median(name, "step") for name in RUNS},
-        "ratio_dynamic_over_grpo": (b / a) if a and b else None,
-        "final_val_reward": {name: statistics.median(r["curve"][-1]["val_reward"] for r in results[name])
-                             for name in RUNS},
-    }  # fmt: skip
+        for lr in args.lrs or [None]:
+            results: dict[str, list[dict]] = {name: [] for name in RUNS}
+            for seed in args.seeds:
+                for name in RUNS:
+                    folder = Path(tmp) / f"{name}-{seed}-{lr}"
+                    points = run(name, args.steps, args.every, seed, args.num_generations, folder, lr)
+                    hit = first_gain(points, args.gain)
+                    results[name].append({"seed": seed, "curve": points, "reached": hit})
+                    print(name, f"lr {lr} seed {seed} reached +{args.gain:.1f} at", hit, flush=True)
+            by_lr[str(lr)] = {"summary": summarize(results), "runs": results}
+            print(f"lr {lr}:", json.dumps(by_lr[str(lr)]["summary"], indent=2), flush=True)
     out = {"gain": args.gain, "steps": args.steps, "every": args.every, "seeds": args.seeds,
-           "num_generations": args.num_generations,
-           "machine": platform.platform(), "summary": summary, "runs": results}  # fmt: skip
+           "num_generations": args.num_generations, "machine": platform.platform()}  # fmt: skip
+    if args.lrs is None:  # one setting: its summary and runs at the top, as before
+        out.update(by_lr["None"])
+    else:
+        out["best_lr"] = best_lr({lr: v["summary"] for lr, v in by_lr.items()})
+        out["by_lr"] = by_lr
+        print("best lr:", json.dumps(out["best_lr"], indent=2))
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

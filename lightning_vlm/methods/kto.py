@@ -4,10 +4,12 @@ Each row is encoded together with its *mismatched* completion (the previous row'
 batch over all ranks, TRL's rotation by one; ``mismatched_completions``) as a pair that shares the
 row's prompt and images, so the vision tower runs once per row (``preference_batch.encode_pairs``).
 The matched answer gives the implicit reward r = logπ - logπ_ref; the mismatched ones, over every
-rank's rows, give the reference point z0. TRL fixes the rotation once at preprocessing and so must not
-shuffle; here it is taken per batch, so the data can be shuffled and every epoch sees new mismatched
-pairs. The reference is a frozen copy, or
-the policy with its LoRA adapters disabled (``ReferenceModel``).
+rank's rows, give the reference point z0. TRL's text path fixes each row's partner once at
+preprocessing, and its vision collator cycles within each device's batch; here the rotation runs over
+the global batch, so N processes pair rows as one process does, and every shuffled epoch sees new
+mismatched pairs. The reference is a frozen copy, or the policy with its LoRA adapters disabled
+(``ReferenceModel``). Reference log-probs are not precomputed: the mismatched pairs change every batch,
+and TRL refuses ``precompute_ref_log_probs`` for vision data too.
 """
 
 from __future__ import annotations
