@@ -7,7 +7,7 @@ leaves out of the group statistics and of the reward's own metric (``rewards/<na
 over that task's rows). One wrapper per task keeps each reward's settings and metric apart::
 
     reward_funcs:
-      - {_target_: lightning_vlm.rewards.TaskReward, reward: count_reward, task: count}
+      - {_target_: lightning_vlm.rewards.TaskReward, reward: count_reward, task: count_cells}
       - _target_: lightning_vlm.rewards.TaskReward
         task: size
         reward: {_target_: lightning_vlm.rewards.numeric_reward, _partial_: true, abs_tol: 8}
