@@ -4,6 +4,7 @@ the group statistics and of its metric), and it logs under the wrapped reward's 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import pytest
@@ -59,3 +60,17 @@ def test_bad_uses_name_the_problem():
         TaskReward(lambda completions, **kw: [1.0], task="a")(["x", "y"], task=["a", "a"])
     with pytest.raises(ValueError, match="neither a built-in reward"):
         TaskReward("no_such_reward", task="a")
+
+
+def test_a_task_no_row_has_is_reported_once_with_the_values_seen(caplog):
+    # "count" misspells the built-in kind "count_cells": every row would silently get None
+    wrong, right = TaskReward(count_reward, task="count"), TaskReward(count_reward, task="count_cells")
+    batch = {"solution": ["two"] * 100, "task": ["count_cells"] * 50 + ["choice"] * 50}
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm.rewards.routing"):
+        for _ in range(4):  # 400 completions: past WARN_AFTER once
+            assert wrong(["two"] * 100, **batch) == [None] * 100
+            right(["two"] * 100, **batch)
+    (record,) = caplog.records
+    assert "scored none of the 300 completions" in record.message
+    assert "no row's 'task' was count" in record.message
+    assert "['choice', 'count_cells']" in record.message

@@ -15,10 +15,16 @@ over that task's rows). One wrapper per task keeps each reward's settings and me
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from lightning_vlm.rewards.scoring import describe, resolve_reward_function, reward_name
+
+log = logging.getLogger(__name__)
+# Completions seen with no row of the task before the warning that the task name may be wrong: a batch
+# can miss a task by chance, hundreds of them in a row hardly can (a misspelt task is otherwise silent).
+WARN_AFTER = 256
 
 
 class TaskReward:
@@ -32,6 +38,8 @@ class TaskReward:
         self.column = column
         # The wrapped reward's name, so logs read rewards/count_reward, not rewards/TaskReward.
         self.__name__ = reward_name(self.reward)
+        self.seen, self.matched = 0, 0  # completions so far, and those of the task
+        self.values: set[str] = set()  # the column's values met so far (a few, for the warning)
 
     def __call__(self, completions: Sequence[Any], **columns: Any) -> list[float | None]:
         if self.column not in columns:
@@ -41,6 +49,7 @@ class TaskReward:
             )
         n = len(completions)
         rows = [i for i, task in enumerate(columns[self.column]) if task in self.tasks]
+        self._watch(n, len(rows), columns[self.column])
         rewards: list[float | None] = [None] * n
         if not rows:
             return rewards
@@ -55,6 +64,19 @@ class TaskReward:
         for i, value in zip(rows, out, strict=True):
             rewards[i] = value
         return rewards
+
+    def _watch(self, n: int, matched: int, values: Sequence[Any]) -> None:
+        """Warn once when many completions passed and none was of the task (a misspelt task name)."""
+        before = self.seen
+        self.seen, self.matched = self.seen + n, self.matched + matched
+        if len(self.values) < 20:
+            self.values.update(str(v) for v in values)
+        if self.matched == 0 and before < WARN_AFTER <= self.seen:
+            log.warning(
+                "%r has scored none of the %d completions so far: no row's %r was %s; the values seen "
+                "were %s. Is the task named as the data names it?",
+                self, self.seen, self.column, " or ".join(sorted(self.tasks)), sorted(self.values),
+            )  # fmt: skip
 
     def __repr__(self) -> str:
         return f"TaskReward({describe(self.reward)} on {self.column} in {sorted(self.tasks)})"
