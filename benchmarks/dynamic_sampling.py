@@ -2,8 +2,9 @@
 
 Usage: ``python benchmarks/dynamic_sampling.py [--steps 200] [--seeds 0 1 2] [--num-generations 4]
 [--lrs LR ...] [--out benchmarks/results/dynamic_sampling.json]`` (``--num-generations 2`` wrote
-``dynamic_sampling_g2.json``; ``--steps 240 --lrs 2.5e-4 5e-4 7e-4 8.5e-4 1e-3 1.2e-3 1.5e-3 2e-3`` wrote
-``dynamic_sampling_lr.json``, which also compares each method at its own best learning rate).
+``dynamic_sampling_g2.json``; ``--steps 240 --lrs 2.5e-4 5e-4 7e-4 8.5e-4 1e-3 1.2e-3 1.5e-3 2e-3`` gives
+``dynamic_sampling_lr.json``, which also compares each method at its own best learning rate; that file
+was run as three invocations over parts of the grid and merged, see below).
 Both runs are ``train.py`` from the tiny Qwen2.5-VL's SFT warm start with ``num_generations=4`` (with 8
 samples almost no group of the warm start ties: 0.38^8 + 0.62^8 = 2 %; with 4, 17 %; with 2, half) and 8 groups
 trained per step: ``method=grpo`` (8 prompts per step) and ``method=dapo``'s dynamic sampling (a pool of
@@ -15,7 +16,9 @@ linear interpolation between the two validations around that point. Each run is 
 training seeds (data order and sampling; the warm start is shared) and the medians are compared: one run
 of each is too noisy to decide (validation moves by +-0.05 between neighbouring points). The counts
 are deterministic on one machine (same seeds, same threads), so separate invocations over parts of a
-learning-rate grid give the numbers one invocation would.
+learning-rate grid give the numbers one invocation would (checked: the 5e-4 runs of the sweep repeat
+``dynamic_sampling.json`` completion for completion). The medians of steps and of completions are taken
+separately, so they may come from different seeds.
 """
 
 from __future__ import annotations

@@ -21,13 +21,14 @@ def _tiny_vlm(family: str, start: str = "random") -> str:
         return str(tiny_vlm_path(family))
     from lightning_vlm.models.warm_start import tiny_sft_path
 
-    # "sft" (the colour task) or "sft_grounding": SFT warm starts, built once (warm_start.WARM_STARTS).
+    # "sft" (the colour task), "sft_grounding", "sft_choice", ...: SFT warm starts, built once
+    # (warm_start.WARM_STARTS names them all).
     return str(tiny_sft_path(family, start=start))
 
 
 def register_resolvers() -> None:
-    """Registers `${tiny_vlm:<family>[,random|sft]}` (path of an offline tiny model, or of its SFT
-    warm start); safe to call twice."""
+    """Registers `${tiny_vlm:<family>[,random|<warm start>]}` (path of an offline tiny model, or of one of
+    its SFT warm starts, ``warm_start.WARM_STARTS``); safe to call twice."""
     if not OmegaConf.has_resolver("tiny_vlm"):
         OmegaConf.register_new_resolver("tiny_vlm", _tiny_vlm, use_cache=True)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lightning_vlm.rewards import RewardScorer, TaskReward, count_reward, numeric_reward
+from lightning_vlm.rewards.routing import WARN_AFTER
 
 
 def test_scores_its_rows_and_none_elsewhere():
@@ -63,14 +64,15 @@ def test_bad_uses_name_the_problem():
 
 
 def test_a_task_no_row_has_is_reported_once_with_the_values_seen(caplog):
-    # "count" misspells the built-in kind "count_cells": every row would silently get None
-    wrong, right = TaskReward(count_reward, task="count"), TaskReward(count_reward, task="count_cells")
-    batch = {"solution": ["two"] * 100, "task": ["count_cells"] * 50 + ["choice"] * 50}
+    # "counting" is no kind of the data: without the warning every row would silently get None
+    wrong, right = TaskReward(count_reward, task="counting"), TaskReward(count_reward, task="count_cells")
+    n = WARN_AFTER // 3 + 1  # completions per call: the third call crosses WARN_AFTER
+    batch = {"solution": ["two"] * n, "task": (["count_cells", 7, "choice"] * n)[:n]}
     with caplog.at_level(logging.WARNING, logger="lightning_vlm.rewards.routing"):
-        for _ in range(4):  # 400 completions: past WARN_AFTER once
-            assert wrong(["two"] * 100, **batch) == [None] * 100
-            right(["two"] * 100, **batch)
-    (record,) = caplog.records
-    assert "scored none of the 300 completions" in record.message
-    assert "no row's 'task' was count" in record.message
-    assert "['choice', 'count_cells']" in record.message
+        for _ in range(5):
+            assert wrong(["two"] * n, **batch) == [None] * n
+            right(["two"] * n, **batch)
+    (record,) = caplog.records  # once, and none for the task that the rows have
+    assert f"scored none of the {3 * n} completions" in record.message
+    assert "no row's 'task' was 'counting'" in record.message
+    assert "values seen were 'choice', 'count_cells', 7." in record.message  # 7 is an int, not '7'

@@ -22,9 +22,10 @@ from typing import Any
 from lightning_vlm.rewards.scoring import describe, resolve_reward_function, reward_name
 
 log = logging.getLogger(__name__)
-# Completions seen with no row of the task before the warning that the task name may be wrong: a batch
-# can miss a task by chance, hundreds of them in a row hardly can (a misspelt task is otherwise silent).
-WARN_AFTER = 256
+# Completions seen with no row of the task before the warning that the task name may be wrong (a misspelt
+# task is otherwise silent). Completions, not prompts: a group repeats its prompt's task, so 4096 are 512
+# prompts at 8 samples each, which a task of 1 % of the rows misses by chance with probability 0.6 %.
+WARN_AFTER = 4096
 
 
 class TaskReward:
@@ -39,7 +40,7 @@ class TaskReward:
         # The wrapped reward's name, so logs read rewards/count_reward, not rewards/TaskReward.
         self.__name__ = reward_name(self.reward)
         self.seen, self.matched = 0, 0  # completions so far, and those of the task
-        self.values: set[str] = set()  # the column's values met so far (a few, for the warning)
+        self.values: set[str] = set()  # the column's values met so far (reprs: 1 and "1" differ)
 
     def __call__(self, completions: Sequence[Any], **columns: Any) -> list[float | None]:
         if self.column not in columns:
@@ -70,12 +71,14 @@ class TaskReward:
         before = self.seen
         self.seen, self.matched = self.seen + n, self.matched + matched
         if len(self.values) < 20:
-            self.values.update(str(v) for v in values)
+            self.values.update(repr(v) for v in values)
         if self.matched == 0 and before < WARN_AFTER <= self.seen:
+            tasks = " or ".join(sorted(map(repr, self.tasks)))
+            seen = ", ".join(sorted(self.values)[:20])
             log.warning(
                 "%r has scored none of the %d completions so far: no row's %r was %s; the values seen "
-                "were %s. Is the task named as the data names it?",
-                self, self.seen, self.column, " or ".join(sorted(self.tasks)), sorted(self.values),
+                "were %s. Is the task named as the data names it (or the data sorted by task, unshuffled)?",
+                self, self.seen, self.column, tasks, seen,
             )  # fmt: skip
 
     def __repr__(self) -> str:
