@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_vlm.ckpt_path import checkpoint_to_load, restore_errors
 from lightning_vlm.methods.dpo import DPO
+from lightning_vlm.parallel.teardown import shut_down_at_exit
 from lightning_vlm.training import build, drop_refused, instantiate_group
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class RowCounter(L.Callback):
 def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     """Scores ``cfg.ckpt_path`` (or ``cfg.model``'s weights) on the validation set; returns the report
     and where it was written (rank 0 writes it)."""
+    shut_down_at_exit()  # before any process group exists (see parallel/teardown.py)
     datamodule, module = build(cfg)
     counter = RowCounter()
     loggers = instantiate_group(cfg.get("logger"))

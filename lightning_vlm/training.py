@@ -18,6 +18,7 @@ from lightning_vlm.ckpt_path import checkpoint_to_load, restore_errors
 from lightning_vlm.loggers import WandbRunId, builds_wandb, finish_runs, wandb_run_id
 from lightning_vlm.models.scale_guard import check_model_scale
 from lightning_vlm.parallel.collectives import launcher_rank
+from lightning_vlm.parallel.teardown import shut_down_at_exit
 from lightning_vlm.settings_check import check_settings
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
 
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     """Runs one training job; returns the final logged metrics and the objects it built."""
+    shut_down_at_exit()  # before any process group exists (see parallel/teardown.py)
     datamodule, module = build(cfg)
     # The logger exists before the checkpoint loads (the Trainer takes it): a resumed run's W&B id is
     # read from ckpt_path first, so the run continues instead of starting a second one.
