@@ -4,7 +4,7 @@ Lightning registers this teardown for NCCL only (PyTorch >= 2.4 asks for it); a 
 the interpreter's shutdown, where its C++ threads and connections are torn down with whatever still
 holds them. Once in CI a rank of a 2-process CPU sweep under torchrun aborted after its last job
 ("terminate called without an active exception", SIGABRT), failing a run whose jobs had all finished;
-it did not recur in 18 reruns, so this is hardening, not a proven cure. ``destroy_process_group``
+it did not recur in 21 reruns, so this is hardening, not a proven cure. ``destroy_process_group``
 from an ``atexit`` handler shuts every backend down in order while the interpreter is still whole.
 """
 
