@@ -39,7 +39,7 @@ class TaskReward:
         self.column = column
         # The wrapped reward's name, so logs read rewards/count_reward, not rewards/TaskReward.
         self.__name__ = reward_name(self.reward)
-        self.seen, self.matched = 0, 0  # completions so far, and those of the task
+        self.seen, self.matched = 0, 0  # completions watched (until WARN_AFTER), and those of the task
         self.values: set[str] = set()  # the column's values met so far (reprs: 1 and "1" differ)
 
     def __call__(self, completions: Sequence[Any], **columns: Any) -> list[float | None]:
@@ -68,11 +68,12 @@ class TaskReward:
 
     def _watch(self, n: int, matched: int, values: Sequence[Any]) -> None:
         """Warn once when many completions passed and none was of the task (a misspelt task name)."""
-        before = self.seen
-        self.seen, self.matched = self.seen + n, self.matched + matched
+        if self.matched or self.seen >= WARN_AFTER:
+            return  # the task was met, or the warning's moment has passed: no more counting or reprs
+        self.seen, self.matched = self.seen + n, matched
         if len(self.values) < 20:
             self.values.update(repr(v) for v in values)
-        if self.matched == 0 and before < WARN_AFTER <= self.seen:
+        if not matched and self.seen >= WARN_AFTER:
             tasks = " or ".join(sorted(map(repr, self.tasks)))
             seen = ", ".join(sorted(self.values)[:20])
             log.warning(
