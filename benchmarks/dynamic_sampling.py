@@ -4,7 +4,12 @@ Usage: ``python benchmarks/dynamic_sampling.py [--steps 200] [--seeds 0 1 2] [--
 [--lrs LR ...] [--out benchmarks/results/dynamic_sampling.json]`` (``--num-generations 2`` wrote
 ``dynamic_sampling_g2.json``; ``--steps 240 --lrs 2.5e-4 5e-4 7e-4 8.5e-4 1e-3 1.2e-3 1.5e-3 2e-3`` gives
 ``dynamic_sampling_lr.json``, which also compares each method at its own best learning rate; that file
-was run as three invocations over parts of the grid and merged, see below).
+was run as three invocations over parts of the grid and merged, see below). ``--merge A.json B.json
+--out C.json`` pools sweeps instead of running: ``dynamic_sampling_heldout.json`` is 8 more seeds
+(``--seeds 3 4 5 6 7 8 9 10``) at the rates around each method's best (7e-4 to 1.2e-3), so the rates
+chosen on seeds 0-2 are checked on seeds they were not chosen on (a best of few noisy medians flatters
+whichever method had lucky seeds); ``dynamic_sampling_pooled.json`` merges it with the grid (11 seeds
+at those rates, 3 elsewhere).
 Both runs are ``train.py`` from the tiny Qwen2.5-VL's SFT warm start with ``num_generations=4`` (with 8
 samples almost no group of the warm start ties: 0.38^8 + 0.62^8 = 2 %; with 4, 17 %; with 2, half) and 8 groups
 trained per step: ``method=grpo`` (8 prompts per step) and ``method=dapo``'s dynamic sampling (a pool of
@@ -121,6 +126,43 @@ def best_lr(by_lr: dict[str, dict]) -> dict:
     return {**best, "ratio_dynamic_over_grpo": b["completions"] / a["completions"] if a and b else None}
 
 
+SETTINGS = ("gain", "steps", "every", "num_generations")  # must agree for runs to be pooled
+
+
+def merge(files: dict[str, dict]) -> dict:
+    """Pool the runs of several learning-rate sweeps (parts of a grid, or more seeds of the same rates)
+    per rate and method, and recompute the medians and the best rates from all of them. Sweeps measured
+    under other settings, or a seed measured twice, cannot be pooled: a ValueError names the file."""
+    first_name, first = next(iter(files.items()))
+    by_lr: dict[str, dict] = {}
+    for name, sweep in files.items():
+        if "by_lr" not in sweep:
+            raise ValueError(f"{name}: not a learning-rate sweep (no by_lr; run with --lrs)")
+        for key in SETTINGS:
+            if sweep[key] != first[key]:
+                raise ValueError(f"{name}: {key}={sweep[key]}, but {first_name} has {first[key]}")
+        for lr, part in sweep["by_lr"].items():
+            pooled = by_lr.setdefault(str(float(lr)), {name_: [] for name_ in RUNS})
+            for method in RUNS:
+                seen = {r["seed"] for r in pooled[method]}
+                again = seen & {r["seed"] for r in part["runs"][method]}
+                if again:
+                    raise ValueError(f"{name}: {method} at lr {lr} repeats seed(s) {sorted(again)}")
+                pooled[method].extend(part["runs"][method])
+    out_by_lr = {
+        lr: {"seeds": sorted(r["seed"] for r in runs["grpo"]), "summary": summarize(runs), "runs": runs}
+        for lr, runs in sorted(by_lr.items(), key=lambda kv: float(kv[0]))
+    }
+    return {
+        **{key: first[key] for key in SETTINGS},
+        "seeds": sorted({seed for v in out_by_lr.values() for seed in v["seeds"]}),
+        "machine": first["machine"],
+        "merged_from": list(files),
+        "best_lr": best_lr({lr: v["summary"] for lr, v in out_by_lr.items()}),
+        "by_lr": out_by_lr,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -131,7 +173,13 @@ def main() -> None:
     # learning rates to sweep (both methods at each); none = the config's (scale.lr.online)
     parser.add_argument("--lrs", type=float, nargs="+", default=None)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "dynamic_sampling.json"))
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="pool these sweeps' runs into --out")
     args = parser.parse_args()
+    if args.merge:
+        merged = merge({Path(f).name: json.loads(Path(f).read_text()) for f in args.merge})
+        Path(args.out).write_text(json.dumps(merged, indent=2) + "\n")
+        print("best lr:", json.dumps(merged["best_lr"], indent=2))
+        return
     by_lr: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for lr in args.lrs or [None]:

@@ -60,3 +60,51 @@ def test_summarize_counts_a_run_that_never_reached_the_gain_as_the_most_expensiv
     summary = bench.summarize({"grpo": runs(3000.0, None, 2000.0), "dynamic_sampling": runs(None, None, 1.0)})
     assert summary["median_completions_to_gain"] == {"grpo": 3000.0, "dynamic_sampling": None}
     assert summary["ratio_dynamic_over_grpo"] is None
+
+
+def _sweep(seeds: list[int], by_lr: dict[str, tuple[list, list]], steps: int = 240) -> dict:
+    """A sweep file with each seed's completions to the gain (None: never reached) per rate and method."""
+
+    def runs(completions: list) -> list[dict]:
+        return [
+            {"seed": seed, "curve": [{"val_reward": 0.5}],
+             "reached": None if c is None else {"completions": c, "step": c / 32}}
+            for seed, c in zip(seeds, completions, strict=True)
+        ]  # fmt: skip
+
+    settings = {"gain": 0.2, "steps": steps, "every": 20, "num_generations": 4, "machine": "m"}
+    rates = {lr: {"runs": {"grpo": runs(g), "dynamic_sampling": runs(d)}} for lr, (g, d) in by_lr.items()}
+    return {**settings, "seeds": seeds, "by_lr": rates}
+
+
+def test_merge_pools_the_seeds_of_each_rate_and_recomputes_medians_and_best_rates():
+    grid = _sweep(
+        [0, 1, 2],
+        {
+            "0.0005": ([3000, 3100, 2900], [3300, 3400, 3200]),
+            "0.001": ([None, 5000, 4000], [2900, 3000, 3100]),
+        },
+    )
+    more = _sweep([3, 4], {"0.001": ([1000, 1100], [4000, 4100])})
+    merged = bench.merge({"grid.json": grid, "more.json": more})
+    assert merged["merged_from"] == ["grid.json", "more.json"]
+    assert merged["seeds"] == [0, 1, 2, 3, 4]
+    assert merged["by_lr"]["0.0005"]["seeds"] == [0, 1, 2]
+    at_1e3 = merged["by_lr"]["0.001"]
+    assert at_1e3["seeds"] == [0, 1, 2, 3, 4]
+    # grpo: 1000 1100 4000 5000 inf -> 4000; dynamic sampling: 2900 3000 3100 4000 4100 -> 3100
+    assert at_1e3["summary"]["median_completions_to_gain"] == {"grpo": 4000, "dynamic_sampling": 3100}
+    # best rates over the pooled medians: grpo 3000 at 5e-4, dynamic sampling 3100 at 1e-3
+    assert merged["best_lr"]["grpo"]["lr"] == 0.0005
+    assert merged["best_lr"]["dynamic_sampling"] == {"lr": 0.001, "completions": 3100, "steps": 3100 / 32}
+    assert merged["best_lr"]["ratio_dynamic_over_grpo"] == pytest.approx(3100 / 3000)
+
+
+def test_merge_refuses_sweeps_it_cannot_pool_and_names_the_file():
+    grid = _sweep([0, 1], {"0.001": ([1, 2], [3, 4])})
+    with pytest.raises(ValueError, match=r"longer.json: steps=300, but grid.json has 240"):
+        bench.merge({"grid.json": grid, "longer.json": _sweep([2], {"0.001": ([1], [2])}, steps=300)})
+    with pytest.raises(ValueError, match=r"again.json: grpo at lr 0.001 repeats seed\(s\) \[1\]"):
+        bench.merge({"grid.json": grid, "again.json": _sweep([1], {"0.001": ([1], [2])})})
+    with pytest.raises(ValueError, match=r"one.json: not a learning-rate sweep"):
+        bench.merge({"grid.json": grid, "one.json": {"gain": 0.2, "runs": {}}})
