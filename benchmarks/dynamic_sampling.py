@@ -172,10 +172,12 @@ def main() -> None:
     parser.add_argument("--num-generations", type=int, default=4)
     # learning rates to sweep (both methods at each); none = the config's (scale.lr.online)
     parser.add_argument("--lrs", type=float, nargs="+", default=None)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "dynamic_sampling.json"))
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/dynamic_sampling.json")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="pool these sweeps' runs into --out")
     args = parser.parse_args()
     if args.merge:
+        if args.out is None:  # the default would overwrite a measured file with a merge
+            parser.error("--merge needs --out")
         merged = merge({Path(f).name: json.loads(Path(f).read_text()) for f in args.merge})
         Path(args.out).write_text(json.dumps(merged, indent=2) + "\n")
         print("best lr:", json.dumps(merged["best_lr"], indent=2))
@@ -201,7 +203,9 @@ def main() -> None:
         out["best_lr"] = best_lr({lr: v["summary"] for lr, v in by_lr.items()})
         out["by_lr"] = by_lr
         print("best lr:", json.dumps(out["best_lr"], indent=2))
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    Path(args.out or ROOT / "benchmarks" / "results" / "dynamic_sampling.json").write_text(
+        json.dumps(out, indent=2) + "\n"
+    )
 
 
 if __name__ == "__main__":
