@@ -39,6 +39,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = Path("benchmarks") / "results" / "dynamic_sampling.json"  # under ROOT
 COMMON = ["logger=csv", "callbacks=none", "validate_before_fit=true",
           "trainer.enable_progress_bar=false", "optimized_metric=null", "data.synthetic.num_val=64"]  # fmt: skip
 RUNS = {
@@ -172,7 +173,7 @@ def main() -> None:
     parser.add_argument("--num-generations", type=int, default=4)
     # learning rates to sweep (both methods at each); none = the config's (scale.lr.online)
     parser.add_argument("--lrs", type=float, nargs="+", default=None)
-    parser.add_argument("--out", default=None, help="default: benchmarks/results/dynamic_sampling.json")
+    parser.add_argument("--out", default=None, help=f"default: {DEFAULT_OUT}")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="pool these sweeps' runs into --out")
     args = parser.parse_args()
     if args.merge:
@@ -203,9 +204,7 @@ def main() -> None:
         out["best_lr"] = best_lr({lr: v["summary"] for lr, v in by_lr.items()})
         out["by_lr"] = by_lr
         print("best lr:", json.dumps(out["best_lr"], indent=2))
-    Path(args.out or ROOT / "benchmarks" / "results" / "dynamic_sampling.json").write_text(
-        json.dumps(out, indent=2) + "\n"
-    )
+    Path(args.out or ROOT / DEFAULT_OUT).write_text(json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -49,31 +49,31 @@ def test_best_lr_takes_each_method_at_its_own_cheapest_rate():
     assert best["ratio_dynamic_over_grpo"] == pytest.approx(2900.0 / 3000.0)
 
 
-def test_summarize_counts_a_run_that_never_reached_the_gain_as_the_most_expensive():
-    def runs(*completions):
-        return [
-            {"reached": None if c is None else {"completions": c, "step": c / 32},
-             "curve": [{"val_reward": 0.5}]}
-            for c in completions
-        ]  # fmt: skip
+def _runs(completions: list, seeds: list[int] | None = None) -> list[dict]:
+    """One run per seed with its completions to the gain (None: never reached), 32 completions a step."""
+    seeds = list(range(len(completions))) if seeds is None else seeds
+    return [
+        {"seed": seed, "curve": [{"val_reward": 0.5}],
+         "reached": None if c is None else {"completions": c, "step": c / 32}}
+        for seed, c in zip(seeds, completions, strict=True)
+    ]  # fmt: skip
 
-    summary = bench.summarize({"grpo": runs(3000.0, None, 2000.0), "dynamic_sampling": runs(None, None, 1.0)})
+
+def test_summarize_counts_a_run_that_never_reached_the_gain_as_the_most_expensive():
+    summary = bench.summarize(
+        {"grpo": _runs([3000.0, None, 2000.0]), "dynamic_sampling": _runs([None, None, 1.0])}
+    )
     assert summary["median_completions_to_gain"] == {"grpo": 3000.0, "dynamic_sampling": None}
     assert summary["ratio_dynamic_over_grpo"] is None
 
 
 def _sweep(seeds: list[int], by_lr: dict[str, tuple[list, list]], steps: int = 240) -> dict:
     """A sweep file with each seed's completions to the gain (None: never reached) per rate and method."""
-
-    def runs(completions: list) -> list[dict]:
-        return [
-            {"seed": seed, "curve": [{"val_reward": 0.5}],
-             "reached": None if c is None else {"completions": c, "step": c / 32}}
-            for seed, c in zip(seeds, completions, strict=True)
-        ]  # fmt: skip
-
     settings = {"gain": 0.2, "steps": steps, "every": 20, "num_generations": 4, "machine": "m"}
-    rates = {lr: {"runs": {"grpo": runs(g), "dynamic_sampling": runs(d)}} for lr, (g, d) in by_lr.items()}
+    rates = {
+        lr: {"runs": {"grpo": _runs(g, seeds), "dynamic_sampling": _runs(d, seeds)}}
+        for lr, (g, d) in by_lr.items()
+    }
     return {**settings, "seeds": seeds, "by_lr": rates}
 
 

@@ -3,8 +3,9 @@
 frozen), raises the reward's mean over 4 completions sampled for each of 128 held-out prompts (fixed
 seeds, the same before and after); ``grpo_mixed`` trains two kinds at once, each scored by its own
 reward through ``TaskReward``, and raises both. The rewards' values are checked by hand in
-``test_rewards_vision.py``; these runs show each one steers a policy. Validation runs before and after only (it samples from a
-forked RNG, so the training run is the one the configs' comments measured every 100 steps)."""
+``test_rewards_vision.py``; these runs show each one steers a policy. Validation runs before and after
+only (it samples from a forked RNG, so the training run is the one the configs' comments measured every
+100 steps)."""
 
 from __future__ import annotations
 
