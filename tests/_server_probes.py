@@ -83,4 +83,6 @@ class CrashEngineAndRestart(L.Callback):
         # Started here, not waited for: the run's next requests find nobody listening until it is up.
         # (From this thread: the server dies with the thread that started it, PR_SET_PDEATHSIG.)
         model, port = pl_module.vlm.model_name_or_path, int(url.rsplit(":", 1)[1])
-        self.proc, _ = start_server(model, port=port, args=self.vllm._server_cli_args())
+        self.proc, _ = start_server(
+            model, port=port, args=self.vllm._server_cli_args(), env=self.vllm.server_env()
+        )

@@ -27,7 +27,8 @@ def test_warm_start_exports_a_model_that_answers_better_than_chance(sft_warm_sta
 @pytest.mark.slow
 def test_the_build_is_the_same_whoever_starts_it(tmp_path, monkeypatch):
     # A caller with one thread (a rank of a 2-process test) builds the same weights as one with two: the
-    # build pins its threads (measured before: 8e-5 apart, and the learning tests' figures moved).
+    # build pins its threads (measured before: 8e-5 apart, and the learning tests' figures moved), and
+    # MKL's settings (its COMPATIBLE code path alone changes the 5-step weights, measured).
     from safetensors.torch import load_file
 
     from lightning_vlm.models import warm_start
@@ -36,8 +37,10 @@ def test_the_build_is_the_same_whoever_starts_it(tmp_path, monkeypatch):
     monkeypatch.setitem(warm_start.WARM_STARTS, "sft", warm_start.WarmStart(5, 1e-3))
     tiny_sft_path = warm_start.tiny_sft_path
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
     one = tiny_sft_path("qwen2_5_vl", tmp_path / "one")
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.delenv("MKL_CBWR")
     two = tiny_sft_path("qwen2_5_vl", tmp_path / "two")
     a, b = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)

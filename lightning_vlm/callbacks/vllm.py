@@ -36,11 +36,13 @@ MODES = ("colocate", "server")
 class VLLMGeneration(L.Callback):
     """Builds (colocate) or connects to (server) a vLLM engine at setup and hands the module a generator.
 
-    ``engine``: the engine's settings (``EngineOptions``; colocated, or the server it starts). Server: ``server_url`` of a running vLLM server
-    (``python -m lightning_vlm.serve``, or ``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1``; not stopped by
-    this callback), or ``start_server=True`` to spawn ``lightning_vlm.serve`` on a free loopback port
-    that this callback owns and stops. ``api_key``: the server's ``--api-key`` (default $VLLM_API_KEY). ``weight_transfer``: "folder" (safetensors
-    written to ``sync_dir``, read by the server: a shared filesystem) or "body" (sent over HTTP).
+    ``engine``: the engine's settings (``EngineOptions``; colocated, or the server it starts). Server:
+    ``server_url`` of a running vLLM server (``python -m lightning_vlm.serve``, or ``vllm serve`` with
+    ``VLLM_SERVER_DEV_MODE=1``; not stopped by this callback), or ``start_server=True`` to spawn
+    ``lightning_vlm.serve`` on a free loopback port that this callback owns and stops. ``api_key``: the
+    server's key (default $VLLM_API_KEY; a started server gets it, or a fresh one, as VLLM_API_KEY).
+    ``weight_transfer``: "folder" (safetensors written to ``sync_dir``, read by the server: a shared
+    filesystem) or "body" (sent over HTTP).
     """
 
     def __init__(
@@ -142,7 +144,7 @@ class VLLMGeneration(L.Callback):
         # Loopback: the other ranks of this machine reach it; several machines need a server started
         # by hand on an address they all reach (server_url). A fresh key: on a shared machine other
         # users must not reach its weight and dev routes.
-        key = self.server["api_key"] = self.server["api_key"] or secrets.token_urlsafe(24)
+        key = self.server["api_key"] = self.server["api_key"] or secrets.token_hex(24)
         clients: dict[str, VLLMServerClient] = {}  # one session per url polled
 
         def healthy(url: str) -> bool:
@@ -154,7 +156,12 @@ class VLLMGeneration(L.Callback):
         # group's timeout (Lightning's default: 30 min). Any failure is returned, so that they learn it.
         try:
             self._server_process, url = launch_server(
-                model, self._server_cli_args(), run_dir / "vllm_server.log", self.wait_for_server, healthy
+                model,
+                self._server_cli_args(),
+                run_dir / "vllm_server.log",
+                self.wait_for_server,
+                healthy,
+                env=self.server_env(),
             )
         except ServerStartError as e:
             return None, None, f"{e}\n(callbacks.vllm_generation.wait_for_server={self.wait_for_server:g} s)"
@@ -174,10 +181,15 @@ class VLLMGeneration(L.Callback):
             shield_from_vllm_compile(pl_module.ref.copy)
 
     def _server_cli_args(self) -> list[str]:
-        args = self.engine.server_args()
-        if self.start_server and self.server["api_key"]:
-            args += ["--api-key", self.server["api_key"]]
-        return args + self.server_args
+        return self.engine.server_args() + self.server_args
+
+    def server_env(self) -> dict[str, str]:
+        """The environment of the server this callback starts: its key as ``VLLM_API_KEY``."""
+        # Not ``--api-key KEY``: a command line is readable by every user of the machine (ps), and a key
+        # starting with "-" read as an option there (1 in 64 of token_urlsafe's; a CI run failed so).
+        return (
+            {"VLLM_API_KEY": self.server["api_key"]} if self.start_server and self.server["api_key"] else {}
+        )
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._close(pl_module)

@@ -158,6 +158,11 @@ def _build(family: str, base: pathlib.Path, target: pathlib.Path, recipe: WarmSt
     # over another number of threads round differently (measured: a build under OMP_NUM_THREADS=1, as a
     # 2-process test's ranks have, differed by 8e-5, and Online DPO from it learned 0.78 instead of 0.83).
     env.update(OMP_NUM_THREADS=str(BUILD_THREADS), MKL_NUM_THREADS=str(BUILD_THREADS))
+    # And exactly that many, run to run: MKL may otherwise use fewer threads than asked (MKL_DYNAMIC, e.g.
+    # under a narrower CPU mask), and without its CNR mode (MKL_CBWR=AUTO) it does not promise equal
+    # results run to run. One CI build once differed from its twin; these leave the weights built here
+    # bit for bit as they were (measured on the 80-step sft build) and remove what could vary elsewhere.
+    env.update(MKL_DYNAMIC="FALSE", OMP_DYNAMIC="FALSE", MKL_CBWR="AUTO")
     log.info(
         "Building the SFT warm start of tiny %s (%d steps, once; cached in %s)",
         family,

@@ -45,14 +45,14 @@ class ServerStartError(RuntimeError):
 
 def launch_server(
     model: str, args: list[str], log_path: str | Path, wait: float, healthy: Callable[[str], bool],
-    attempts: int = 3, poll: float = 1.0,
+    attempts: int = 3, poll: float = 1.0, env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen, str]:  # fmt: skip
     """Start the server on a free port and wait until ``healthy(url)``; returns (process, url).
 
-    Its output goes to ``log_path`` (appended). A server that exits while loading fails at once with
-    its log's tail, not after ``wait`` seconds. The port is free when picked but only bound once vLLM
-    has imported (seconds later), so another process can take it in between: that exit is retried on a
-    new port, ``attempts`` times in all.
+    Its output goes to ``log_path`` (appended); ``env`` is added to this process's environment. A server
+    that exits while loading fails at once with its log's tail, not after ``wait`` seconds. The port is
+    free when picked but only bound once vLLM has imported (seconds later), so another process can take
+    it in between: that exit is retried on a new port, ``attempts`` times in all.
     """
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
@@ -61,7 +61,7 @@ def launch_server(
     for attempt in range(1, attempts + 1):
         # This attempt's lines only: the log is appended to (earlier attempts, earlier runs).
         start = log_path.stat().st_size if log_path.exists() else 0
-        proc, url = start_server(model, args=args, log_path=str(log_path))
+        proc, url = start_server(model, args=args, log_path=str(log_path), env=env)
         try:
             retry = _wait_ready(proc, url, log_path, start, wait, healthy, poll, attempt < attempts)
         except BaseException:
