@@ -74,6 +74,12 @@ def _one_process(name: str, tmp_path) -> tuple[dict[str, torch.Tensor], dict]:
     return torch.load(path, weights_only=True), metrics
 
 
+# Dr. GRPO's constant normaliser leaves each group's gradient an exact sum of terms that cancel, so the
+# order the ranks add them in shows more: 1.3e-5 apart on an AMD EPYC, where every other method stays
+# under 4e-7 (a wrong reduction moves weights by the update's size, >= 1e-2 here).
+ATOL = {"grpo_dr_grpo": 1e-4}
+
+
 @pytest.mark.parametrize(
     ("strategy", "name"), [("ddp", n) for n in EQUIVALENCE] + [("fsdp", n) for n in FSDP_EQUIVALENCE]
 )
@@ -89,7 +95,7 @@ def test_two_processes_update_like_one(strategy, name, two_processes, tiny_path,
     moved = max((one[k] - start[k].detach()).abs().max().item() for k in one)
     assert moved > 1e-2, f"{name}: the weights hardly moved ({moved:.2e}); the comparison would be vacuous"
     for key, value in one.items():
-        torch.testing.assert_close(two[key], value, atol=1e-5, rtol=0, msg=f"{name}: {key}")
+        torch.testing.assert_close(two[key], value, atol=ATOL.get(name, 1e-5), rtol=0, msg=f"{name}: {key}")
 
 
 def _rows(folder) -> list[list[str]]:

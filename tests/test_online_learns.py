@@ -10,6 +10,7 @@ same prompts and seeds both times (``val/rewards/accuracy_reward``; ``val/reward
 from __future__ import annotations
 
 import csv
+import statistics
 import time
 
 import pytest
@@ -25,6 +26,11 @@ VARIANTS = {
     # LoRA adapters (plus the output head, conf/scale/tiny.yaml) with the KL to the adapter-free model
     "grpo_lora_beta": (["method=grpo", "lora=default", "method.beta=0.04"], 300),
 }
+
+
+# The median over these seeds is asked for where one seed is a lottery on some CPUs: Online DPO gave
+# 0.383 -> 0.83 (seed 0) where its bar was set, and 0.758 / 0.855 / 0.922 (seeds 0 / 1 / 2) on an AMD EPYC.
+SEEDS = {"online_dpo": (0, 1, 2)}
 
 
 def _rewards(rows: list[dict]) -> list[float]:
@@ -48,14 +54,18 @@ def test_the_readme_grpo_command_raises_val_reward_by_020(tmp_path):
 @pytest.mark.parametrize("method", ["gspo", "rloo", "online_dpo"])
 def test_default_online_job_raises_accuracy_reward(method, tmp_path):
     start = time.time()
-    metrics, out = train(compose_train([f"method={method}", *QUIET], tmp_path))
-    before = out["initial_metrics"]["val/rewards/accuracy_reward"]
-    after = metrics["val/rewards/accuracy_reward"]
-    print(
-        f"{method} default: sampled accuracy reward {before:.3f} -> {after:.3f} in {time.time() - start:.0f} s"
-    )
+    gains = []
+    for seed in SEEDS.get(method, (0,)):
+        metrics, out = train(
+            compose_train([f"method={method}", f"seed={seed}", *QUIET], tmp_path / f"seed{seed}")
+        )
+        before = out["initial_metrics"]["val/rewards/accuracy_reward"]
+        after = float(metrics["val/rewards/accuracy_reward"])
+        print(f"{method} default, seed {seed}: sampled accuracy reward {before:.3f} -> {after:.3f}")
+        gains.append(after - before)
+    print(f"{method} in {time.time() - start:.0f} s")
     # Online DPO pairs the best and worst of 4 candidates (issue 13: TRL's two samples gave 0.38 -> 0.63)
-    assert after - before >= (0.4 if method == "online_dpo" else 0.2), (method, before, after)
+    assert statistics.median(gains) >= (0.4 if method == "online_dpo" else 0.2), (method, gains)
 
 
 @pytest.mark.slow

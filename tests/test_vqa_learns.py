@@ -9,6 +9,7 @@ only (it samples from a forked RNG, so the training run is the one the configs' 
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import pytest
@@ -26,21 +27,28 @@ RUNS = {
     # two tasks in one run, each row scored by its own task's reward (TaskReward): both must rise
     "grpo_mixed": {"multiple_choice_reward": 0.13, "ocr_reward": 0.05},
 }
+# Runs whose gain is a lottery of the training seed on some CPUs: the median over these seeds is asked
+# for. grpo_ocr gained +0.146 on the machine its bar was set on, and +0.046 / +0.086 / +0.088 with seeds
+# 0 / 1 / 2 on an AMD EPYC, where the same warm start rounds differently.
+SEEDS = {"grpo_ocr": (0, 1, 2)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("experiment", list(RUNS))
 def test_grpo_raises_the_answer_reward(experiment, tmp_path):
-    cfg = compose_train([f"experiment={experiment}", *QUIET], tmp_path)
-    cfg.trainer.val_check_interval = cfg.trainer.max_steps
     start = time.time()
-    metrics, out = train(cfg)
-    changes = {
-        metric: (out["initial_metrics"][f"val/rewards/{metric}"], metrics[f"val/rewards/{metric}"])
-        for metric in RUNS[experiment]
-    }
-    print(f"{experiment} in {time.time() - start:.0f} s:",
-          ", ".join(f"sampled {m} {a:.3f} -> {b:.3f}" for m, (a, b) in changes.items()))  # fmt: skip
+    gains: dict[str, list[float]] = {metric: [] for metric in RUNS[experiment]}
+    for seed in SEEDS.get(experiment, (0,)):
+        cfg = compose_train([f"experiment={experiment}", f"seed={seed}", *QUIET], tmp_path / f"seed{seed}")
+        cfg.trainer.val_check_interval = cfg.trainer.max_steps
+        metrics, out = train(cfg)
+        for metric in RUNS[experiment]:
+            before, after = (
+                out["initial_metrics"][f"val/rewards/{metric}"],
+                float(metrics[f"val/rewards/{metric}"]),
+            )
+            print(f"{experiment} seed {seed}: sampled {metric} {before:.3f} -> {after:.3f}")
+            gains[metric].append(after - before)
+    print(f"{experiment} in {time.time() - start:.0f} s")
     for metric, gain in RUNS[experiment].items():
-        before, after = changes[metric]
-        assert after - before >= gain, (experiment, metric, before, after)
+        assert statistics.median(gains[metric]) >= gain, (experiment, metric, gains[metric])
