@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,6 +35,28 @@ def compose_train(
         cfg.hydra.job.num = 0
     HydraConfig.instance().set_config(cfg)
     return cfg
+
+
+def reward_gains(
+    overrides: list[str], rewards: list[str], output_dir: Path, seeds: tuple[int, ...] = (0,),
+    configure: Callable[[DictConfig], None] | None = None,
+) -> dict[str, list[float]]:  # fmt: skip
+    """Train the job ``overrides`` once per seed (``validate_before_fit=true`` among them); per reward
+    function, its sampled validation mean after training minus before, one entry per seed."""
+    from lightning_vlm.training import train
+
+    gains: dict[str, list[float]] = {reward: [] for reward in rewards}
+    for seed in seeds:
+        cfg = compose_train([*overrides, f"seed={seed}"], output_dir / f"seed{seed}")
+        if configure is not None:
+            configure(cfg)
+        metrics, out = train(cfg)
+        for reward in rewards:
+            before = out["initial_metrics"][f"val/rewards/{reward}"]
+            after = float(metrics[f"val/rewards/{reward}"])
+            print(f"{' '.join(overrides)}, seed {seed}: sampled {reward} {before:.3f} -> {after:.3f}")
+            gains[reward].append(after - before)
+    return gains
 
 
 class TowerCounter:

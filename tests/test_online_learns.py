@@ -16,7 +16,7 @@ import time
 import pytest
 from test_train import _run
 
-from helpers import compose_train
+from helpers import compose_train, reward_gains
 from lightning_vlm.training import train
 
 QUIET = ["logger=csv", "callbacks=none", "validate_before_fit=true", "trainer.enable_progress_bar=false"]
@@ -54,15 +54,9 @@ def test_the_readme_grpo_command_raises_val_reward_by_020(tmp_path):
 @pytest.mark.parametrize("method", ["gspo", "rloo", "online_dpo"])
 def test_default_online_job_raises_accuracy_reward(method, tmp_path):
     start = time.time()
-    gains = []
-    for seed in SEEDS.get(method, (0,)):
-        metrics, out = train(
-            compose_train([f"method={method}", f"seed={seed}", *QUIET], tmp_path / f"seed{seed}")
-        )
-        before = out["initial_metrics"]["val/rewards/accuracy_reward"]
-        after = float(metrics["val/rewards/accuracy_reward"])
-        print(f"{method} default, seed {seed}: sampled accuracy reward {before:.3f} -> {after:.3f}")
-        gains.append(after - before)
+    (gains,) = reward_gains(
+        [f"method={method}", *QUIET], ["accuracy_reward"], tmp_path, SEEDS.get(method, (0,))
+    ).values()
     print(f"{method} in {time.time() - start:.0f} s")
     # Online DPO pairs the best and worst of 4 candidates (issue 13: TRL's two samples gave 0.38 -> 0.63)
     assert statistics.median(gains) >= (0.4 if method == "online_dpo" else 0.2), (method, gains)

@@ -197,7 +197,7 @@ def test_grpo_on_its_own_server_keeps_hf_parity_through_a_crash_and_restart(tmp_
         trainer.fit(module, datamodule=hydra.utils.instantiate(cfg.data))
         # Its key went through the environment, not the command line (any user can read that: ps)
         url, key = vllm.server["url"], vllm.server["api_key"]
-        assert key and key not in " ".join(map(str, crash.proc.args))
+        assert crash.proc is not None and key and key not in " ".join(map(str, crash.proc.args))
         assert requests.get(f"{url}/v1/models", timeout=10).status_code == 401
         auth = {"Authorization": f"Bearer {key}"}
         assert requests.get(f"{url}/v1/models", headers=auth, timeout=10).status_code == 200

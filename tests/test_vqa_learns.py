@@ -14,8 +14,7 @@ import time
 
 import pytest
 
-from helpers import compose_train
-from lightning_vlm.training import train
+from helpers import reward_gains
 
 QUIET = ["logger=csv", "callbacks=none", "validate_before_fit=true", "trainer.enable_progress_bar=false"]
 # experiment -> {reward metric: gain asked for}; each about half of what the config's comment measured
@@ -33,22 +32,16 @@ RUNS = {
 SEEDS = {"grpo_ocr": (0, 1, 2)}
 
 
+def _validate_at_the_end(cfg) -> None:
+    cfg.trainer.val_check_interval = cfg.trainer.max_steps
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("experiment", list(RUNS))
 def test_grpo_raises_the_answer_reward(experiment, tmp_path):
     start = time.time()
-    gains: dict[str, list[float]] = {metric: [] for metric in RUNS[experiment]}
-    for seed in SEEDS.get(experiment, (0,)):
-        cfg = compose_train([f"experiment={experiment}", f"seed={seed}", *QUIET], tmp_path / f"seed{seed}")
-        cfg.trainer.val_check_interval = cfg.trainer.max_steps
-        metrics, out = train(cfg)
-        for metric in RUNS[experiment]:
-            before, after = (
-                out["initial_metrics"][f"val/rewards/{metric}"],
-                float(metrics[f"val/rewards/{metric}"]),
-            )
-            print(f"{experiment} seed {seed}: sampled {metric} {before:.3f} -> {after:.3f}")
-            gains[metric].append(after - before)
+    gains = reward_gains([f"experiment={experiment}", *QUIET], list(RUNS[experiment]), tmp_path,
+                         SEEDS.get(experiment, (0,)), configure=_validate_at_the_end)  # fmt: skip
     print(f"{experiment} in {time.time() - start:.0f} s")
     for metric, gain in RUNS[experiment].items():
         assert statistics.median(gains[metric]) >= gain, (experiment, metric, gains[metric])
