@@ -108,3 +108,25 @@ def test_merge_refuses_sweeps_it_cannot_pool_and_names_the_file():
         bench.merge({"grid.json": grid, "again.json": _sweep([1], {"0.001": ([1], [2])})})
     with pytest.raises(ValueError, match=r"one.json: not a learning-rate sweep"):
         bench.merge({"grid.json": grid, "one.json": {"gain": 0.2, "runs": {}}})
+
+
+def test_merge_pools_only_sweeps_of_the_same_groups_per_step_and_reads_older_files_as_8():
+    old = _sweep([0], {"0.001": ([1], [2])})  # written before --groups: 8 groups per step
+    eight = {**_sweep([1], {"0.001": ([3], [4])}), "groups": 8}
+    assert bench.merge({"old.json": old, "eight.json": eight})["groups"] == 8
+    four = {**_sweep([1], {"0.001": ([3], [4])}), "groups": 4}
+    with pytest.raises(ValueError, match=r"four.json: groups=4, but old.json has 8"):
+        bench.merge({"old.json": old, "four.json": four})
+
+
+@pytest.mark.parametrize("groups", [4, 8])
+def test_both_methods_train_on_the_same_groups_per_step(groups):
+    from lightning_vlm.methods.dynamic_sampling import DynamicSampling
+
+    (grpo_batch,) = [o for o in bench.overrides("grpo", groups) if o.startswith("data.batch_size=")]
+    assert grpo_batch == f"data.batch_size={groups}"
+    dynamic = bench.overrides("dynamic_sampling", groups)
+    (pool,) = [int(o.split("=")[1]) for o in dynamic if o.startswith("data.batch_size=")]
+    settings = DynamicSampling(enabled=True, max_num_gen_batches=bench.ROUNDS)
+    assert "method.dynamic_sampling={enabled:true,max_num_gen_batches:3}" in dynamic
+    assert settings.round_size(pool) == groups  # the groups each dynamic-sampling step trains on
