@@ -6,17 +6,10 @@ import math
 
 import pytest
 
-from lightning_vlm.rewards.answers import (
-    count_reward,
-    levenshtein,
-    multiple_choice_reward,
-    numeric_reward,
-    ocr_reward,
-    ocr_similarity,
-    parse_choice,
-    parse_number,
-)
+from lightning_vlm.rewards.answers import count_reward, numeric_reward, parse_number
 from lightning_vlm.rewards.boxes import box_giou, box_iou, giou_reward, iou_reward, parse_box
+from lightning_vlm.rewards.choices import multiple_choice_reward, parse_choice
+from lightning_vlm.rewards.ocr import levenshtein, ocr_reward, ocr_similarity
 
 # ---------------------------------------------------------------- box parsing
 

@@ -1,7 +1,7 @@
 """Synthetic visual questions for the answer rewards: counting, multiple choice, reading, measuring.
 
 Kinds of the built-in task beyond colour and shape (``data.synthetic.kinds``), each scored by one of the
-rewards of ``rewards/answers.py``:
+rewards of ``rewards/answers.py``, ``choices.py`` and ``ocr.py``:
 
 - ``count_cells``: one to three shapes, each in its own cell of a 2 x 2 grid, "How many shapes are
   there?" -> one..three, ``count_reward`` (synthetic.py's ``count``, whose single shape may span cells,

@@ -1,16 +1,7 @@
 """Reward functions (plain callables), their weighted scoring, and reward models as reward functions."""
 
 from lightning_vlm.rewards.accuracy import answers_match, extract_answer, normalize
-from lightning_vlm.rewards.answers import (
-    count_reward,
-    levenshtein,
-    multiple_choice_reward,
-    numeric_reward,
-    ocr_reward,
-    parse_choice,
-    parse_count,
-    parse_number,
-)
+from lightning_vlm.rewards.answers import count_reward, numeric_reward, parse_count, parse_number
 from lightning_vlm.rewards.boxes import box_giou, box_iou, giou_reward, iou_reward, parse_box
 from lightning_vlm.rewards.builtin import (
     BUILTIN_REWARDS,
@@ -20,6 +11,8 @@ from lightning_vlm.rewards.builtin import (
     length_reward,
     think_format_reward,
 )
+from lightning_vlm.rewards.choices import multiple_choice_reward, parse_choice
+from lightning_vlm.rewards.ocr import levenshtein, ocr_reward, ocr_similarity
 from lightning_vlm.rewards.reward_model import RewardModel
 from lightning_vlm.rewards.routing import TaskReward
 from lightning_vlm.rewards.scoring import (
@@ -40,6 +33,7 @@ __all__ = [
     "multiple_choice_reward",
     "numeric_reward",
     "ocr_reward",
+    "ocr_similarity",
     "parse_box",
     "parse_choice",
     "parse_count",

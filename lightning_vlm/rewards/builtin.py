@@ -23,8 +23,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_vlm.rewards.accuracy import answers_match
-from lightning_vlm.rewards.answers import count_reward, multiple_choice_reward, numeric_reward, ocr_reward
+from lightning_vlm.rewards.answers import count_reward, numeric_reward
 from lightning_vlm.rewards.boxes import giou_reward, iou_reward
+from lightning_vlm.rewards.choices import multiple_choice_reward
+from lightning_vlm.rewards.ocr import ocr_reward
 
 Completion = str | Sequence[Mapping[str, Any]]
 

@@ -1,0 +1,103 @@
+"""The multiple-choice answer reward: which option letter an answer names, and whether it is the solution's.
+
+Follows the answer-reward convention of ``answers.py`` (``score_with_reference``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from lightning_vlm.rewards.accuracy import extract_answer
+from lightning_vlm.rewards.answers import score_with_reference
+
+if TYPE_CHECKING:
+    from lightning_vlm.rewards.builtin import Completion
+
+_WHOLE_CHOICE = re.compile(r"\s*[(\[]?\s*([A-Za-z])\s*[)\]]?\s*[.:]?\s*")
+_PAREN_CHOICE = re.compile(r"[(\[]\s*([A-Za-z])\s*[)\]]")
+_CUE_CHOICE = re.compile(r"\b(?:answer|option|choice)(?:\s+is)?\s*[:=]?\s*[(\[]?\s*([A-Za-z])(?![\w'])", re.I)
+_UPPER_CHOICE = re.compile(r"(?<![\w'])([A-Z])(?![\w'])")
+_ARTICLE_NEXT = re.compile(r"\s+([a-z]+)")
+# Words after a letter that make it an option, not the article: "A is correct", "I think A fits".
+_OPTION_VERBS = frozenset(
+    {"is", "was", "seems", "looks", "fits", "matches", "would", "should", "must", "can"}
+)
+
+
+def _is_article(answer: str, letter: str, end: int) -> bool:
+    """Whether ``letter`` ("A" or "a") ending at ``end`` reads as the article: a lower-case word follows
+    and it is not a verb ("a cat" is the article, "A is right" the option)."""
+    follow = _ARTICLE_NEXT.match(answer, end)
+    return letter in "Aa" and follow is not None and follow.group(1) not in _OPTION_VERBS
+
+
+def _choice_mentions(answer: str) -> set[str]:
+    mentions = {m.group(1).upper() for m in _PAREN_CHOICE.finditer(answer)}
+    for match in _CUE_CHOICE.finditer(answer):
+        # "the answer is a cat": a lower-case "a" followed by a word is the article.
+        if not (match.group(1) == "a" and _is_article(answer, "a", match.end())):
+            mentions.add(match.group(1).upper())
+    for match in _UPPER_CHOICE.finditer(answer):
+        # Lone capitals are options ("B is right", "B. blue"), except the article opening a sentence.
+        if not _is_article(answer, match.group(1), match.end()):
+            mentions.add(match.group(1))
+    return mentions
+
+
+def parse_choice(text: str, choices: str = "ABCDEFGH") -> str | None:
+    """The option letter the answer names (upper case), or None when it names none or several different ones.
+
+    An answer that is just a letter counts in either case ("b", "(B)", "B."). In longer text a letter
+    counts when it is parenthesised ("(b)"), follows "answer", "option" or "choice" ("Answer: B",
+    "the answer is b"), or stands alone as a capital ("B. blue", "I pick C"); "A"/"a" followed by
+    a lower-case word reads as the article. Letters outside ``choices`` are ignored.
+    """
+    answer = extract_answer(text)
+    whole = _WHOLE_CHOICE.fullmatch(answer)
+    if whole is not None:
+        mentions = {whole.group(1).upper()}
+    else:
+        mentions = _choice_mentions(answer)
+    mentions &= set(choices.upper())
+    return mentions.pop() if len(mentions) == 1 else None
+
+
+def _check_choices(choices: str) -> str:
+    letters = choices.upper()
+    if not letters or not letters.isalpha() or not letters.isascii() or len(set(letters)) != len(letters):
+        raise ValueError(
+            f"multiple_choice_reward: choices must be distinct letters such as 'ABCD'; got {choices!r}"
+        )
+    return letters
+
+
+def multiple_choice_reward(
+    completions: Sequence[Completion],
+    solution: Sequence[Any] | None = None,
+    *,
+    choices: str = "ABCDEFGH",
+    **kwargs: Any,
+) -> list[float | None]:
+    """1.0 when the completion names exactly the solution's option letter (see ``parse_choice``), else 0.0.
+
+    A completion naming several different letters ("B or C", "B, not C") scores 0.0: hedging
+    between options must not be rewarded.
+    """
+    letters = _check_choices(choices)
+
+    def read(ref: Any) -> str:
+        letter = parse_choice(str(ref), letters)
+        if letter is None:
+            raise ValueError(f"cannot read one option letter of {letters!r} from the solution {ref!r}")
+        return letter
+
+    return score_with_reference(
+        "multiple_choice_reward",
+        completions,
+        solution,
+        kwargs,
+        read,
+        lambda text, ref: 1.0 if parse_choice(text, letters) == ref else 0.0,
+    )

@@ -1,0 +1,69 @@
+"""The OCR answer reward: character-level similarity (one minus normalised edit distance) to the reference text.
+
+Follows the answer-reward convention of ``answers.py`` (``score_with_reference``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from lightning_vlm.rewards.accuracy import extract_answer
+from lightning_vlm.rewards.answers import score_with_reference
+
+if TYPE_CHECKING:
+    from lightning_vlm.rewards.builtin import Completion
+
+
+def levenshtein(a: str, b: str) -> int:
+    """The edit distance between two strings: fewest single-character insertions, deletions, substitutions."""
+    if len(a) < len(b):
+        a, b = b, a
+    # Two rows of the dynamic programme, as long as the shorter string: previous and current.
+    previous = list(range(len(b) + 1))
+    for i, char_a in enumerate(a, start=1):
+        current = [i]
+        for j, char_b in enumerate(b, start=1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (char_a != char_b)))
+        previous = current
+    return previous[-1]
+
+
+def _ocr_text(text: str, normalize: bool) -> str:
+    # Case and spacing are not what an OCR answer is judged on; punctuation is, so it stays.
+    return " ".join(text.casefold().split()) if normalize else text
+
+
+def ocr_similarity(prediction: str, reference: str, normalize: bool = True) -> float:
+    """``1 - levenshtein / max(len)`` between the two texts, in [0, 1]; 1.0 when both are empty.
+
+    ``normalize`` case-folds and collapses whitespace (also stripping the ends) first.
+    """
+    prediction, reference = _ocr_text(prediction, normalize), _ocr_text(reference, normalize)
+    longest = max(len(prediction), len(reference))
+    if longest == 0:
+        return 1.0
+    return 1.0 - levenshtein(prediction, reference) / longest
+
+
+def ocr_reward(
+    completions: Sequence[Completion],
+    solution: Sequence[Any] | None = None,
+    *,
+    normalize: bool = True,
+    **kwargs: Any,
+) -> list[float | None]:
+    """Character-level similarity of the completion's answer to the reference text (``ocr_similarity``).
+
+    Partial credit for near misses, unlike exact match. The reference is taken whole (no answer
+    tags are looked for in it); an empty reference cell is a missing one (None), as in every reward.
+    With ``normalize=False`` the texts are compared exactly, surrounding whitespace included.
+    """
+    return score_with_reference(
+        "ocr_reward",
+        completions,
+        solution,
+        kwargs,
+        str,
+        lambda text, ref: ocr_similarity(extract_answer(text), ref, normalize),
+    )
