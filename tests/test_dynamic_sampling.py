@@ -10,6 +10,7 @@ import torch
 from lightning_vlm.generation.base import Rollouts
 from lightning_vlm.methods.dynamic_sampling import (
     DynamicSampling,
+    any_reward_std_filter,
     collect,
     concat_rollouts,
     select_groups,
@@ -60,6 +61,31 @@ def _collect(patterns: list[str], rounds: int, filter_="zero_std", enabled=True,
     done = everyone or (lambda d: d)
     rollouts, per_function, counts = collect(pool, settings, generate, score, lambda p: p.sum(-1), done)
     return rollouts, per_function, counts, calls
+
+
+def test_under_gdpo_zero_std_keeps_a_group_whose_weighted_rewards_vary_though_the_totals_tie(tiny_path):
+    per_function = torch.tensor([[1.0, 0.0], [0.0, 2.0]])  # totals with weights 1 and 0.5: 1 and 1
+    weights = t(1.0, 0.5)
+    totals = per_function @ weights
+    assert not zero_std_filter(totals, per_function)
+    assert any_reward_std_filter(totals, per_function, weights)  # GDPO's advantages here are ±1.41
+    # a reward that varies but weighs 0 does not count; nor does one completion's valid value alone
+    assert not any_reward_std_filter(t(1.0, 1.0), torch.tensor([[1.0, 0.0], [1.0, 2.0]]), t(1.0, 0.0))
+    assert not any_reward_std_filter(
+        t(1.0, 1.0), torch.tensor([[1.0, float("nan")], [1.0, 2.0]]), t(1.0, 1.0)
+    )
+
+    from lightning_vlm.methods.grpo import GRPO
+    from lightning_vlm.models.vlm import VLM
+
+    def group_filter(aggregation: str):
+        module = GRPO(VLM(tiny_path()), optimizer=torch.optim.SGD, reward_funcs=["accuracy_reward", "length_reward"],
+                      reward_weights=[1.0, 0.5], multi_objective_aggregation=aggregation,
+                      dynamic_sampling={"enabled": True})  # fmt: skip
+        return module.dynamic_sampling.group_filter
+
+    assert group_filter("normalize_then_sum")(totals, per_function)  # GRPO picks GDPO's version
+    assert not group_filter("sum_then_normalize")(totals, per_function)
 
 
 def test_rounds_top_up_only_the_missing_groups_and_stop_when_full():

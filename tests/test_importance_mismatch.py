@@ -102,3 +102,21 @@ def test_importance_weights_follow_the_mode_on_a_real_mismatch(tiny_path, mode):
     expected, value = hand_update(path, rollouts, loss)
     assert metrics["train/loss"] == pytest.approx(value, abs=1e-6)
     assert_same_update(update, expected)
+
+
+def test_vespo_refuses_a_sequence_level_correction_before_the_first_generation(tiny_path, caplog):
+    path = tiny_path("qwen2_5_vl")
+    kwargs = {"optimizer": sgd(), "reward_funcs": [token_reward_fn], "num_generations": G, "max_completion_length": 6,
+              "loss_type": "vespo", "vllm_importance_sampling_mode": "sequence_mask"}  # fmt: skip
+    module = GRPO(VLM(path), **kwargs)
+    sampler = DriftedSampler(path)
+    module.generator = sampler
+    with pytest.raises(ValueError, match="vespo folds the rollout IS ratios.*token_truncate"):
+        fit_steps(module, synthetic_rows("prompt", 2, seed=3))
+    assert sampler.seen == []  # refused at fit start, not after a generation
+    # Sampling from the policy itself (HF generate) needs no correction: the same settings train.
+    fit_steps(GRPO(VLM(path), **kwargs), synthetic_rows("prompt", 2, seed=3))
+    # The pairings TRL warns about are named when the module is built.
+    with caplog.at_level("WARNING", logger="lightning_vlm.methods.grpo"):
+        GRPO(VLM(path), **{**kwargs, "importance_sampling_level": "sequence"})
+    assert "vespo builds its sequence weight from token ratios" in caplog.text

@@ -196,3 +196,36 @@ def test_mismatched_answers_over_ranks_are_the_one_process_rotation(monkeypatch,
             assert got is None  # a single row over all ranks has no mismatched answer
         else:
             assert got == [one[int(r["completion"][1:])] for r in shard]
+
+
+def test_validation_means_are_over_the_rows_each_metric_describes(tiny_path):
+    # Two batches with 2 + 1 and 1 + 2 desirable + undesirable rows: the epoch's rewards/chosen is the mean
+    # over its 3 desirable rows (weights 2 and 1), not over batches or all rows; margins = chosen - rejected.
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_vlm.data.datamodule import collate_rows
+    from lightning_vlm.methods.kto import KTO
+    from lightning_vlm.models.vlm import VLM
+
+    module = KTO(VLM(tiny_path()), optimizer=torch.optim.SGD, val_max_new_tokens=2)
+    with torch.no_grad():  # move the policy off its reference, so the implicit rewards are not all 0
+        rng = torch.Generator().manual_seed(0)
+        for p in module.vlm.parameters():
+            p.add_(torch.randn(p.shape, generator=rng) * 0.02)
+    r = synthetic_rows("unpaired", 6)  # labels alternate: desirable rows 0, 2, 4
+    batches = [[r[0], r[2], r[1]], [r[3], r[5], r[4]]]
+    trainer = L.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    trainer.validate(module, DataLoader([*batches[0], *batches[1]], batch_size=3, collate_fn=collate_rows))
+    got = {k: v.item() for k, v in trainer.callback_metrics.items()}
+    each = [module._loss(b, train=False)[1] for b in batches]
+    for kind, weights in (("chosen", (2, 1)), ("rejected", (1, 2))):
+        for name in (f"rewards/{kind}", f"logps/{kind}"):
+            expected = sum(w * m[name].item() for w, m in zip(weights, each, strict=True)) / 3
+            assert got[f"val/{name}"] == pytest.approx(expected, rel=1e-5), name
+    assert got["val/rewards/margins"] == pytest.approx(
+        got["val/rewards/chosen"] - got["val/rewards/rejected"]
+    )
+    assert got["val/loss"] == pytest.approx((each[0]["loss"].item() + each[1]["loss"].item()) / 2, rel=1e-5)

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from lightning_vlm.losses.policy import aggregate, clipped_surrogate, importance_ratio, k3_kl, policy_loss
+from lightning_vlm.losses.kl import k3_kl
+from lightning_vlm.losses.policy import aggregate, clipped_surrogate, importance_ratio, policy_loss
 
 L2 = math.log(2)
 

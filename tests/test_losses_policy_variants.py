@@ -131,6 +131,45 @@ def test_bias_corrected_kl_multiplies_k3_by_the_ratio():
     close(corrected["kl"], 2 * k3)
 
 
+def test_bias_corrected_kl_at_sequence_level_has_the_gradient_of_s_times_kl():
+    # One sequence of two tokens: log ratios ln 2 and 0, so s = exp(ln 2 / 2) = √2; KL ln2 - 1/2 and 0.
+    logps = torch.full((1, 2), math.log(0.5), requires_grad=True)
+    old = torch.tensor([[math.log(0.25), math.log(0.5)]])
+    ref = torch.tensor([[math.log(0.25), math.log(0.5)]])
+    kl1, s = L2 - 0.5, math.sqrt(2)
+    loss, _ = policy_loss(logps, old, torch.tensor([0.0]), torch.ones(1, 2), ref_logps=ref, beta=1.0,
+                          level="sequence", use_bias_correction_kl=True)  # fmt: skip
+    close(loss, s * kl1 / 2)  # dapo: (s·kl_1 + s·kl_2) / 2 tokens
+    loss.backward()
+    # ∂/∂logp_t of Σ_t s·kl_t / 2 = (s·∂kl_t/∂logp_t + (kl_1 + kl_2)·s/2) / 2, with ∂kl_t/∂logp_t =
+    # 1 - exp(ref_t - logp_t) = 1/2 and 0. The second token's KL is 0, but s depends on it (TRL's form):
+    # the GSPO-token form would give it no gradient at all.
+    close(logps.grad, [[(s * 0.5 + kl1 * s / 2) / 2, (kl1 * s / 2) / 2]])
+
+
+def test_sequence_level_clip_stats_count_each_sequence_once():
+    # Sequence 0 (3 tokens) has ratio 2 on every token, sequence 1 (1 token) ratio 1; both A > 0.
+    logps = torch.tensor([[L2, L2, L2], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    _, stats = clipped_surrogate(
+        logps, torch.zeros(2, 3), torch.tensor([1.0, 1.0]), mask, 0.2, level="sequence"
+    )
+    close(stats["clip_ratio/high"], 1 / 2)  # a token mean would say 3/4
+    close(stats["ratio/mean"], (2.0 + 1.0) / 2)  # a token mean would say 7/4
+    _, tokens = clipped_surrogate(logps, torch.zeros(2, 3), torch.tensor([1.0, 1.0]), mask, 0.2)
+    close(tokens["clip_ratio/high"], 3 / 4)  # token level: every token counts
+    _, cispo = policy_loss(logps, torch.zeros(2, 3), torch.tensor([1.0, 1.0]), mask, loss_type="cispo",
+                           epsilon_high=1.5, level="sequence")  # fmt: skip
+    close(cispo["cispo_clip_ratio"], 1 / 2)
+
+
+def test_entropy_bonus_with_an_entropy_mask_sums_the_trained_tokens_over_all_tokens():
+    entropy = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    loss, _ = policy_loss(torch.zeros(1, 4), None, torch.tensor([0.0]), torch.ones(1, 4), entropy=entropy,
+                          entropy_coef=0.1, entropy_mask=torch.tensor([[0.0, 0.0, 1.0, 1.0]]))  # fmt: skip
+    close(loss, -0.1 * (3.0 + 4.0) / 4)  # TRL's dapo normaliser: every completion token of the step
+
+
 def test_entropy_bonus_is_subtracted_per_trained_token_with_gradient():
     logps = torch.zeros(1, 3)
     entropy = torch.tensor([[1.0, 2.0, 9.0]], requires_grad=True)
@@ -189,3 +228,15 @@ def test_gdpo_missing_rewards_give_zero_advantage_and_stay_out_of_the_statistics
     assert adv[2] == 0 and adv[3] == 0 and adv[0] > 0 > adv[1]
     with pytest.raises(ValueError, match="F = 3 weights"):
         decoupled_advantages(per_function, torch.ones(3), 2)
+
+
+def test_level_advice_names_the_pairings_trl_warns_about():
+    from lightning_vlm.methods.grpo import level_advice
+
+    assert level_advice("grpo", "sequence") == [] and level_advice("dapo", "token") == []
+    assert level_advice("luspo", "sequence") == [] and level_advice("vespo", "token") == []
+    assert "luspo is defined at importance_sampling_level=sequence" in level_advice("luspo", "token")[0]
+    assert "vespo builds its sequence weight" in level_advice("vespo", "sequence")[0]
+    for loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        (advice,) = level_advice(loss_type, "sequence")
+        assert f"loss_type={loss_type} sums per-token terms" in advice

@@ -23,6 +23,7 @@ from typing import Literal
 
 import torch
 
+from lightning_vlm.losses.kl import Level, k3_kl, kl_correction_ratio
 from lightning_vlm.losses.policy_variants import (
     VESPO_DEFAULT,
     VespoShape,
@@ -32,7 +33,6 @@ from lightning_vlm.losses.policy_variants import (
     vespo_weights,
 )
 
-Level = Literal["token", "sequence"]
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 # The loss types built on the clipped surrogate (the others have their own per-token term).
@@ -46,6 +46,19 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of x over active tokens; 0 (not NaN) for an empty mask."""
     mask = mask.to(x.dtype)
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _level_mean(x: torch.Tensor, mask: torch.Tensor, level: Level) -> torch.Tensor:
+    """Mean of a per-token statistic: over active tokens, or at sequence level over sequences (each once).
+
+    At sequence level the value is the same on every token of a sequence, so a token mean would weigh long
+    answers more; TRL counts each sequence once there (its ``global_masked_mean`` of a (B, 1) tensor).
+    """
+    if level == "token":
+        return _masked_mean(x, mask)
+    m = mask.to(x.dtype)
+    per_sequence = (x * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+    return per_sequence.mean() if per_sequence.numel() else x.new_zeros(())
 
 
 def _masked_min_max(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +111,8 @@ def clipped_surrogate(
     unclipped term only, as TRL: for A < 0 that term was unbounded, so one sample far off-policy could
     dominate a step; for A > 0 it changes nothing once δ > 1 + ε_h. Stats over active tokens: "clip_ratio/low" (r < 1-ε_l with A < 0) and
     "clip_ratio/high" (r > 1+ε_h with A > 0) are the tokens whose gradient the clip zeroes,
-    "clip_ratio/region" their union; "ratio/mean|min|max" describe r.
+    "clip_ratio/region" their union; "ratio/mean|min|max" describe r. At sequence level the fractions
+    and the mean count sequences, not tokens (as TRL).
     """
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
@@ -113,23 +127,14 @@ def clipped_surrogate(
         high = ((r > 1.0 + eps_high) & (adv > 0)).to(r.dtype)
         r_min, r_max = _masked_min_max(r, mask)
         stats = {
-            "clip_ratio/low": _masked_mean(low, mask),
-            "clip_ratio/high": _masked_mean(high, mask),
-            "clip_ratio/region": _masked_mean(torch.clamp(low + high, max=1.0), mask),
-            "ratio/mean": _masked_mean(r, mask),
+            "clip_ratio/low": _level_mean(low, mask, level),
+            "clip_ratio/high": _level_mean(high, mask, level),
+            "clip_ratio/region": _level_mean(torch.clamp(low + high, max=1.0), mask, level),
+            "ratio/mean": _level_mean(r, mask, level),
             "ratio/min": r_min,
             "ratio/max": r_max,
         }
     return per_token, stats
-
-
-def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator of KL(π‖π_ref) per token: exp(ref - logp) - (ref - logp) - 1 ≥ 0.
-
-    Unbiased under samples from π, always non-negative, zero iff logp == ref (GRPO eq. 4).
-    """
-    delta = ref_logps - logps
-    return torch.exp(delta) - delta - 1.0
 
 
 def aggregate(
@@ -207,10 +212,14 @@ def policy_loss(
     mask (``off_policy_mask_threshold``, against ``sampler_logps``, else ``old_logps``), × ``entropy_mask``,
     × the rollout IS weights (not for vespo, which folds them into its weight), + β·k3 KL (× the
     ratio π/π_old with ``use_bias_correction_kl``, DeepSeek-V3.2's unbiased KL estimate), aggregated,
-    times ``policy_scale`` (bnpo's share of the step), and minus ``entropy_coef`` times the mean entropy
-    of the tokens trained on when ``entropy`` is given (it must carry its gradient; divided by
-    ``num_items_in_batch`` for every loss type, so micro-batching does not change it, where TRL divides
-    by the local token count for the non-dapo types; ``policy_loss`` is then the part before the bonus).
+    times ``policy_scale`` (bnpo's share of the step), and minus ``entropy_coef`` times the entropy
+    of the tokens trained on when ``entropy`` is given (it must carry its gradient; ``policy_loss`` is
+    then the part before the bonus). That entropy is summed over ``mask`` × ``entropy_mask`` and divided
+    by ``num_items_in_batch`` (every completion token of the step) for every loss type, so micro-batching
+    does not change it: the mean entropy without ``entropy_mask``, about ``top_entropy_quantile`` times
+    the trained tokens' mean with it. TRL does the same for cispo, dapo and vespo; for the other types it
+    divides by the micro-batch's trained tokens, a value micro-batching changes (the step's trained
+    tokens are known only after every micro-batch's forward pass, too late for the first backward).
 
     ``old_logps=None`` means on-policy (one optimisation step per generation): π_old = sg[π], so
     r = 1 in value but gradients still flow. The IS weights correct for sampling from the rollout
@@ -244,7 +253,7 @@ def policy_loss(
     if ref_logps is not None and beta != 0.0:
         kl = k3_kl(logps, ref_logps)
         if use_bias_correction_kl:
-            kl = kl * torch.exp(importance_ratio(logps, old_logps, mask, level))
+            kl = kl * kl_correction_ratio(logps, old_logps, mask, level)
         per_token = per_token + beta * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask)
     loss = policy_scale * aggregate(
@@ -279,7 +288,7 @@ def _variant_per_token(
             raise ValueError("cispo caps the IS weight at epsilon_high (absolute, e.g. 5.0): set it")
         high = ((ratio.detach() > epsilon_high) & (adv > 0)).to(ratio.dtype)
         return cispo_per_token(logps, ratio, advantages, epsilon_high), {
-            "cispo_clip_ratio": _masked_mean(high, mask)
+            "cispo_clip_ratio": _level_mean(high, mask, level)
         }
     if loss_type == "sapo":
         return sapo_per_token(ratio, advantages, *sapo_temperatures), {}

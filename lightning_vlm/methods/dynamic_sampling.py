@@ -7,8 +7,11 @@ drops such groups and samples more prompts until the batch is full. Here a step'
 generated, the groups a filter keeps are collected, and each further round (``max_num_gen_batches`` in
 all) generates only as many of the next prompts as groups are still missing, until a round's worth are
 kept (on every rank) or the rounds are used up. The step then trains on exactly one round's worth of groups,
-kept ones first; if too few passed, the last filtered ones fill the gap (their advantages are 0, so
-they change nothing but the normalisers, and the step keeps its shape for micro-batching and DDP).
+kept ones first; if too few passed, the last filtered ones fill the gap, so the step keeps its shape for
+micro-batching and DDP. With the built-in filter their advantages are 0: they change nothing but the
+normalisers (token and sequence counts, and the batch std under ``scale_rewards: batch``). Under GDPO
+``zero_std`` checks each weighted reward (``any_reward_std_filter``), as GDPO's advantages do. A custom
+filter may drop groups that would teach; if they fill a step, they train like any other group.
 Because the pool is the dataloader's batch and each round's sampling seed is derived from
 (seed, global_step, rank, round), a resumed run regenerates exactly what the uninterrupted one drew.
 Unused prompts of a pool are not revisited in that epoch (verl and EasyR1 likewise move on).
@@ -41,6 +44,15 @@ def zero_std_filter(rewards: torch.Tensor, per_function: torch.Tensor) -> bool:
     """DAPO's filter: keep a group whose valid rewards are not all equal (so its std is > 0)."""
     valid = rewards[~rewards.isnan()]
     return valid.numel() >= 2 and bool((valid != valid[0]).any())
+
+
+def any_reward_std_filter(rewards: torch.Tensor, per_function: torch.Tensor, weights: torch.Tensor) -> bool:
+    """``zero_std`` under GDPO (``multi_objective_aggregation: normalize_then_sum``): keep a group in which
+    some reward with a non-zero weight varies. GDPO normalises each reward in its group before summing,
+    so such a group teaches even when the weighted totals tie (1·[1, 0] + 0.5·[0, 2] is [1, 1])."""
+    return any(
+        zero_std_filter(per_function[:, k], per_function) for k in range(len(weights)) if weights[k] != 0
+    )
 
 
 FILTERS: dict[str, GroupFilter] = {"zero_std": zero_std_filter}

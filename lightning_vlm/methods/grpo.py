@@ -4,6 +4,9 @@ sequence``), DAPO (``method=dapo``) and TRL's newer losses (cispo, sapo, luspo, 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
 from collections.abc import Callable
 from typing import Any, Unpack
 
@@ -17,18 +20,37 @@ from lightning_vlm.losses.advantages import (
 )
 from lightning_vlm.losses.policy import LEVELS, LOSS_TYPES, policy_loss
 from lightning_vlm.losses.policy_variants import AdaptiveEntropy, VespoShape
+from lightning_vlm.methods.dynamic_sampling import any_reward_std_filter
 from lightning_vlm.methods.online import OnlineRL
 from lightning_vlm.methods.online_kwargs import OnlineKwargs
 from lightning_vlm.methods.rollout_buffer import RolloutBatch, Step
 from lightning_vlm.models.vlm import VLM
-from lightning_vlm.parallel.collectives import all_reduce_sum
+from lightning_vlm.parallel.collectives import all_reduce_sum, gather_cat, gather_sizes, launcher_rank
 
 _ENTROPY_KEY = "lightning_vlm/adaptive_entropy"
+log = logging.getLogger(__name__)
 
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def level_advice(loss_type: str, level: str) -> list[str]:
+    """Why a loss type and importance-sampling level do not suit each other (TRL warns about the same
+    three pairings); empty when they do. They still run: the combinations are legal, only unusual."""
+    advice = []
+    if loss_type == "luspo" and level != "sequence":
+        advice.append(
+            "loss_type=luspo is defined at importance_sampling_level=sequence (the LUSPO paper's setup)"
+        )
+    if loss_type == "vespo" and level != "token":
+        advice.append("loss_type=vespo builds its sequence weight from token ratios itself: leave "
+                      "importance_sampling_level at token")  # fmt: skip
+    if level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        advice.append(f"loss_type={loss_type} sums per-token terms, so at importance_sampling_level=sequence each "
+                      "sequence weighs by its length; GSPO's objective is loss_type=grpo (method=gspo)")  # fmt: skip
+    return advice
 
 
 class GRPO(OnlineRL):
@@ -93,6 +115,13 @@ class GRPO(OnlineRL):
         _check(off_policy_mask_threshold is None or off_policy_mask_threshold >= 0,
                f"off_policy_mask_threshold must be >= 0, got {off_policy_mask_threshold}")  # fmt: skip
         super().__init__(vlm, optimizer, **online)
+        for advice in level_advice(loss_type, importance_sampling_level):
+            if launcher_rank() == 0:  # every rank builds the module; one warning is enough
+                log.warning("GRPO: %s", advice)
+        if multi_objective_aggregation == "normalize_then_sum" and self.dynamic_sampling.filter == "zero_std":
+            # GDPO's advantages are 0 only where every weighted reward ties in the group (not only the total).
+            gdpo_filter = functools.partial(any_reward_std_filter, weights=self.scorer.weights)
+            self.dynamic_sampling = dataclasses.replace(self.dynamic_sampling, filter=gdpo_filter)
         self.vespo_shape = VespoShape(vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
         self.entropy_control: AdaptiveEntropy | None = None
         if use_adaptive_entropy:
@@ -129,18 +158,11 @@ class GRPO(OnlineRL):
         hp = self.hparams
         mask = batch.completion_mask[index].to(logps.dtype)
         entropy_mask = None
-        if hp.top_entropy_quantile < 1.0 and entropy is not None and mask.any():
-            # Train only on the highest-entropy ("forking") tokens (Wang et al. 2025), as TRL: the others'
-            # surrogate is zeroed, but they still count in the normalisers and the KL term.
-            threshold = torch.quantile(entropy[mask.bool()].detach(), 1.0 - hp.top_entropy_quantile)
-            entropy_mask = mask * (entropy.detach() >= threshold).to(mask.dtype)
+        if hp.top_entropy_quantile < 1.0 and entropy is not None:
+            entropy_mask = self._top_entropy_mask(entropy, mask)
         is_weights = None if batch.is_weights is None else batch.is_weights[index]
-        if is_weights is not None and hp.loss_type == "vespo" and self.is_level != "token":
-            raise ValueError(
-                "loss_type=vespo folds the rollout IS ratios into its sequence weight, one per token: set "
-                "method.vllm_importance_sampling_mode to token_truncate (token_mask zeroes a whole sequence "
-                "for one masked token, as in TRL and the authors' code)"
-            )
+        if is_weights is not None:  # a sampler that is not the policy (a server) may show up only here
+            self._check_vespo_correction()
         bonus = hp.entropy_coef != 0.0 or self.entropy_control is not None
         if self.entropy_control is not None and entropy is not None:
             # Skywork-OR1's controller watches the mean entropy of every response token (the top-entropy
@@ -181,6 +203,32 @@ class GRPO(OnlineRL):
             # A share of the step's loss, like the loss: the loop weighs stats by the micro-batch's size.
             stats["policy_loss"] = stats["policy_loss"] * len(step.index) / len(index)
         return loss, stats
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        if self.hparams.vllm_importance_sampling_correction and not self.generator.is_policy:
+            self._check_vespo_correction()  # before the first generation, as TRL checks it in __init__
+
+    def _check_vespo_correction(self) -> None:
+        """vespo takes the rollout IS ratios per token; a sequence-level correction mode cannot feed it."""
+        if self.hparams.loss_type == "vespo" and self.is_level != "token":
+            raise ValueError(
+                "loss_type=vespo folds the rollout IS ratios into its sequence weight, one per token: set "
+                "method.vllm_importance_sampling_mode to token_truncate (token_mask zeroes a whole sequence "
+                "for one masked token, as in TRL and the authors' code)"
+            )
+
+    def _top_entropy_mask(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """Train only on the highest-entropy ("forking") tokens (Wang et al. 2025), as TRL: the others'
+        surrogate is zeroed, but they still count in the normalisers and the KL term. The threshold is the
+        quantile of this micro-batch's tokens on every rank (two collectives, made by every rank), so N
+        processes pick the tokens one process would with their micro-batches together."""
+        local = entropy[mask.bool()].detach().float()
+        sizes = gather_sizes(local.numel(), local.device)
+        if sum(sizes) == 0:
+            return None
+        threshold = torch.quantile(gather_cat(local, sizes), 1.0 - self.hparams.top_entropy_quantile)
+        return mask * (entropy.detach() >= threshold).to(mask.dtype)
 
     def on_policy_update(self) -> None:
         super().on_policy_update()

@@ -42,8 +42,20 @@ from lightning_vlm.parallel.collectives import all_gather_object, gather_cat, me
 from lightning_vlm.settings_check import check_positive
 
 log = logging.getLogger(__name__)
-METRICS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
-           "logps/chosen", "logps/rejected")  # fmt: skip
+# Validation means over the epoch; rewards/margins is their chosen minus rejected (on_validation_epoch_end).
+METRICS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen",
+           "logps/rejected")  # fmt: skip
+
+
+def metric_weight(name: str, desirable: int, undesirable: int) -> int:
+    """How many items a batch's value of metric ``name`` is a mean over, so the epoch mean is over items
+    (TRL's sums and counts): desirable rows for ``*/chosen``, undesirable for ``*/rejected``, the
+    (desirable, undesirable) pairs for ``rewards/accuracies``, rows otherwise."""
+    if name.endswith("/chosen"):
+        return desirable
+    if name.endswith("/rejected"):
+        return undesirable
+    return desirable * undesirable if name == "rewards/accuracies" else desirable + undesirable
 
 
 @runtime_checkable
@@ -173,14 +185,21 @@ class KTO(FactoryOptimized):
 
     def validation_step(self, rows: list[dict], batch_idx: int) -> None:
         _, metrics = self._loss(rows, train=False)
-        for name, value in metrics.items():
-            metric = self.val_metrics[name.replace("/", "__")]
-            if not torch.isnan(value):
-                metric.update(value, weight=len(rows))
+        desirable = sum(bool(r["label"]) for r in rows)
+        for name in METRICS:
+            metric, value = self.val_metrics[name.replace("/", "__")], metrics[name]
+            if not torch.isnan(value):  # NaN: this batch has none of the rows the metric is over
+                metric.update(value, weight=metric_weight(name, desirable, len(rows) - desirable))
             self.log(f"val/{name}", metric, prog_bar=name == "rewards/accuracies", batch_size=len(rows))
         _, hits = greedy_answer_hits(self.generator, rows, reference_answers(rows), self.val_new_tokens)
         self.val_answer_accuracy.update(torch.tensor(hits, device=self.device))
         self.log("val/answer_accuracy", self.val_answer_accuracy, prog_bar=True, batch_size=len(rows))
+
+    def on_validation_epoch_end(self) -> None:
+        # The epoch's margin is its chosen mean minus its rejected mean, not a mean of batch margins (a
+        # batch with one kind of row has none). Lightning has computed, and all ranks synced, both already.
+        chosen, rejected = (self.val_metrics[f"rewards__{kind}"].compute() for kind in ("chosen", "rejected"))
+        self.log("val/rewards/margins", chosen - rejected, sync_dist=True)
 
     def on_validation_start(self) -> None:
         self.ref.to(self.device)  # the frozen copy is not a submodule: it follows the policy by hand
