@@ -197,6 +197,12 @@ EQUIVALENCE: dict[str, list[str]] = {
     ],  # fmt: skip
     # KTO reads the pairs as unpaired rows; z0 pairs each row with the previous one of the global batch
     "kto": ["method=kto", "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl"],
+    # APO-zero: one sequence per row and no z0; each rank's mean rescaled to the mean over all rows
+    "kto_apo_zero": [
+        "method=kto",
+        "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl",
+        "method.loss_type=apo_zero_unpaired",
+    ],  # fmt: skip
     "grpo_dapo": ["method=grpo", *ONLINE, "method.loss_type=dapo"],
     # two optimizer steps per generation (old log-probs, clipping) and a KL to the reference
     "grpo_grpo": [

@@ -41,6 +41,11 @@ def test_apo_zero_unpaired_has_no_reference_point():
     r, desirable = t(1.0, -1.0), torch.tensor([True, False])
     losses = kto_losses(r, desirable, z0=123.0, beta=0.5, loss_type="apo_zero_unpaired")
     torch.testing.assert_close(losses, t(1 - sig(0.5), sig(-0.5)))
+    torch.testing.assert_close(kto_losses(r, desirable, None, 0.5, loss_type="apo_zero_unpaired"), losses)
+    with pytest.raises(ValueError, match="needs the reference point z0"):
+        kto_losses(r, desirable, None, 0.5)
+    # No z0, no kl metric (TRL logs 0 there, which would read as a measured KL).
+    assert "kl" not in kto_metrics(r, desirable, None, beta=0.5, logps=t(-1.0, -2.0))
 
 
 def test_the_gradient_raises_desirable_and_lowers_undesirable_rewards():
@@ -162,6 +167,41 @@ def test_one_vision_pass_per_row_gives_the_naive_log_probs(tiny_path):
     a, _ = vlm.token_logps(once.inputs, once.completion_mask)
     b, _ = vlm.token_logps(naive.inputs, naive.completion_mask)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_apo_zero_unpaired_encodes_each_answer_once_with_kto_s_log_probs(tiny_path, caplog):
+    # Without a reference point, no mismatched answers: B sequences instead of 2B, the same log-probs of
+    # the matched answers, and a batch of one row is no special case.
+    from lightning_vlm.methods.kto import KTO
+    from lightning_vlm.methods.preference_batch import encode_pairs, split_pairs
+    from lightning_vlm.models.vlm import VLM
+
+    vlm = VLM(tiny_path())
+    apo = KTO(vlm, optimizer=lambda params: torch.optim.SGD(params, lr=0.0), loss_type="apo_zero_unpaired")
+    with torch.no_grad():  # move the policy off its frozen reference, so the implicit rewards are not 0
+        rng = torch.Generator().manual_seed(0)
+        for p in vlm.parameters():
+            p.add_(torch.randn(p.shape, generator=rng) * 0.02)
+    rows = synthetic_rows("unpaired", 3)
+    pairs = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": rows[i - 1]["completion"],
+              "images": r["images"]} for i, r in enumerate(rows)]  # fmt: skip
+    single, both = encode_pairs(vlm, pairs, columns=("chosen",)), encode_pairs(vlm, pairs)
+    assert single.inputs["input_ids"].shape[0] == 3 and both.inputs["input_ids"].shape[0] == 6
+    with torch.no_grad():
+        one = vlm.token_logps(single.inputs, single.completion_mask)[0].sum(dim=1)
+        chosen, _ = split_pairs(vlm.token_logps(both.inputs, both.completion_mask)[0].sum(dim=1))
+        ref = apo.ref.token_logps(single.inputs, single.completion_mask)[0].sum(dim=1)
+    torch.testing.assert_close(one, chosen, atol=1e-5, rtol=1e-5)
+
+    loss, metrics = apo._loss(rows, train=False)
+    desirable = torch.tensor([bool(r["label"]) for r in rows])
+    expected = kto_losses(one - ref, desirable, None, 0.1, loss_type="apo_zero_unpaired").mean()
+    assert (one - ref).abs().min() > 1e-3  # the check below is not the trivial r = 0 case
+    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-5)
+    assert "kl" not in metrics
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm.methods.kto"):
+        loss, _ = apo._loss(rows[:1], train=False)
+    assert torch.isfinite(loss) and not caplog.records
 
 
 def test_a_one_row_batch_adds_nothing_to_the_reference_point(tiny_path, caplog):

@@ -73,7 +73,7 @@ def kto_reference_point(kl_logratios: Tensor) -> Tensor:
 def kto_losses(
     logratios: Tensor,
     desirable: Tensor,
-    z0: Tensor | float,
+    z0: Tensor | float | None,
     beta: float = 0.1,
     desirable_weight: float = 1.0,
     undesirable_weight: float = 1.0,
@@ -83,7 +83,8 @@ def kto_losses(
 
     "kto": λ_D·(1 - σ(β(r - z0))) for desirable examples, λ_U·(1 - σ(β(z0 - r))) for undesirable ones
     (TRL's form of the paper's λ_y - v(x, y)). "apo_zero_unpaired" (D'Oosterlinck et al. 2024, APO):
-    no reference point, λ_D·(1 - σ(βr)) and λ_U·σ(βr). The mean over examples is the loss.
+    no reference point, λ_D·(1 - σ(βr)) and λ_U·σ(βr); ``z0`` is ignored there and may be None. The mean
+    over examples is the loss.
     """
     if loss_type not in KTO_LOSS_TYPES:
         raise ValueError(f"KTO loss_type must be one of {KTO_LOSS_TYPES}, got {loss_type!r}")
@@ -92,6 +93,8 @@ def kto_losses(
     desirable = desirable.bool()
     if loss_type == "apo_zero_unpaired":
         z0 = 0.0
+    elif z0 is None:
+        raise ValueError("KTO's loss needs the reference point z0 (only apo_zero_unpaired has none)")
     z0 = torch.as_tensor(z0, dtype=logratios.dtype, device=logratios.device).detach()
     # 1 - σ(x) written as σ(-x): no cancellation when σ(x) is close to 1.
     good = desirable_weight * torch.sigmoid(-beta * (logratios - z0))
@@ -114,20 +117,26 @@ def ranking_accuracy(rewards: Tensor, desirable: Tensor) -> Tensor:
 
 
 def kto_metrics(
-    logratios: Tensor, desirable: Tensor, z0: Tensor, beta: float, logps: Tensor
+    logratios: Tensor, desirable: Tensor, z0: Tensor | None, beta: float, logps: Tensor
 ) -> dict[str, Tensor]:
-    """TRL's KTO metric names (``rewards/chosen`` = desirable, ``rewards/rejected`` = undesirable), detached."""
+    """TRL's KTO metric names (``rewards/chosen`` = desirable, ``rewards/rejected`` = undesirable), detached.
+
+    ``kl`` (z0) is left out when there is none (apo_zero_unpaired): TRL logs 0 there, which reads as a
+    measured KL of 0.
+    """
     desirable = desirable.bool()
     rewards = (beta * logratios).detach()
     nan = rewards.new_tensor(float("nan"))
     chosen = rewards[desirable].mean() if desirable.any() else nan
     rejected = rewards[~desirable].mean() if (~desirable).any() else nan
-    return {
+    metrics = {
         "rewards/chosen": chosen,
         "rewards/rejected": rejected,
         "rewards/margins": chosen - rejected,
         "rewards/accuracies": ranking_accuracy(rewards, desirable),
         "logps/chosen": logps.detach()[desirable].mean() if desirable.any() else nan,
         "logps/rejected": logps.detach()[~desirable].mean() if (~desirable).any() else nan,
-        "kl": z0.detach(),
     }
+    if z0 is not None:
+        metrics["kl"] = z0.detach()
+    return metrics

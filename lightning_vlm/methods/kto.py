@@ -9,7 +9,8 @@ preprocessing, and its vision collator cycles within each device's batch; here t
 the global batch, so N processes pair rows as one process does, and every shuffled epoch sees new
 mismatched pairs. The reference is a frozen copy, or the policy with its LoRA adapters disabled
 (``ReferenceModel``). Reference log-probs are not precomputed: the mismatched pairs change every batch,
-and TRL refuses ``precompute_ref_log_probs`` for vision data too.
+and TRL refuses ``precompute_ref_log_probs`` for vision data too. ``apo_zero_unpaired`` has no
+reference point: each row is encoded alone (B sequences, not 2B), as TRL skips its KL pass there.
 """
 
 from __future__ import annotations
@@ -141,27 +142,7 @@ class KTO(FactoryOptimized):
 
     def _loss(self, rows: list[dict], train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         hp = self.hparams
-        # Row i with the previous row's completion (TRL's rotation): the mismatched answer for z0.
-        mismatched = mismatched_completions(rows)
-        # A single row over all ranks fills the slot with its own answer; its KL is dropped below.
-        others = mismatched if mismatched is not None else [r["completion"] for r in rows]
-        pairs = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": other,
-                  "images": r.get("images", [])} for r, other in zip(rows, others, strict=True)]  # fmt: skip
-        batch = encode_pairs(self.vlm, pairs, hp.max_length, hp.one_vision_pass)
-        inputs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.inputs.items()}
-        mask = batch.completion_mask.to(self.device)
-        logps, kl_logps = split_pairs(self.vlm.token_logps(inputs, mask)[0].sum(dim=1))
-        with torch.no_grad():
-            ref, kl_ref = split_pairs(self.ref.token_logps(inputs, mask)[0].sum(dim=1))
-        kl = (kl_logps - kl_ref).detach()
-        if mismatched is None:
-            # A batch of one row over all ranks (an epoch's last) has no mismatched answer: its own would
-            # make z0 the reward itself. It adds nothing to z0 (0), and never raises: under DDP the other
-            # ranks would then wait in the gather below.
-            log.warning("KTO: a batch of one row adds nothing to the reference point z0")
-            kl = kl[:0]
-        # Over every rank's rows (a collective on every step, validation included).
-        z0 = kto_reference_point(gather_cat(kl))
+        logps, ref, z0 = self._logps_and_reference_point(rows)
         desirable = torch.tensor([bool(r["label"]) for r in rows], device=self.device)
         logratios = logps - ref
         losses = kto_losses(logratios, desirable, z0, hp.beta, hp.desirable_weight, hp.undesirable_weight,
@@ -175,6 +156,39 @@ class KTO(FactoryOptimized):
         metrics["loss"] = loss.detach()
         return loss, metrics
 
+    def _logps_and_reference_point(
+        self, rows: list[dict]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Policy and reference log-probs of each row's answer [B], and z0 (None for apo_zero_unpaired,
+        whose loss has no reference point: it skips the mismatched pass and its collectives, as TRL does)."""
+        hp = self.hparams
+        with_z0 = hp.loss_type != "apo_zero_unpaired"
+        # Row i with the previous row's completion (TRL's rotation): the mismatched answer for z0.
+        mismatched = mismatched_completions(rows) if with_z0 else None
+        # A single row over all ranks fills the slot with its own answer; its KL is dropped below.
+        others = mismatched if mismatched is not None else [r["completion"] for r in rows]
+        pairs = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": other,
+                  "images": r.get("images", [])} for r, other in zip(rows, others, strict=True)]  # fmt: skip
+        columns = ("chosen", "rejected") if with_z0 else ("chosen",)
+        batch = encode_pairs(self.vlm, pairs, hp.max_length, hp.one_vision_pass, columns)
+        inputs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.inputs.items()}
+        mask = batch.completion_mask.to(self.device)
+        logps = self.vlm.token_logps(inputs, mask)[0].sum(dim=1)
+        with torch.no_grad():
+            ref = self.ref.token_logps(inputs, mask)[0].sum(dim=1)
+        if not with_z0:
+            return logps, ref, None
+        (logps, kl_logps), (ref, kl_ref) = split_pairs(logps), split_pairs(ref)
+        kl = (kl_logps - kl_ref).detach()
+        if mismatched is None:
+            # A batch of one row over all ranks (an epoch's last) has no mismatched answer: its own would
+            # make z0 the reward itself. It adds nothing to z0 (0), and never raises: under DDP the other
+            # ranks would then wait in the gather below.
+            log.warning("KTO: a batch of one row adds nothing to the reference point z0")
+            kl = kl[:0]
+        # Over every rank's rows (a collective on every step, validation included).
+        return logps, ref, kto_reference_point(gather_cat(kl))
+
     def training_step(self, rows: list[dict], batch_idx: int) -> torch.Tensor:
         loss, metrics = self._loss(rows, train=True)
         for name, value in metrics.items():
@@ -187,6 +201,8 @@ class KTO(FactoryOptimized):
         _, metrics = self._loss(rows, train=False)
         desirable = sum(bool(r["label"]) for r in rows)
         for name in METRICS:
+            if name not in metrics:  # kl under apo_zero_unpaired: not estimated
+                continue
             metric, value = self.val_metrics[name.replace("/", "__")], metrics[name]
             if not torch.isnan(value):  # NaN: this batch has none of the rows the metric is over
                 metric.update(value, weight=metric_weight(name, desirable, len(rows) - desirable))

@@ -9,6 +9,7 @@ vision tower runs once per pair (see ``lightning_vlm.models.vision_cache``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,8 @@ from lightning_vlm.models.vision_cache import repeated_groups, with_image_groups
 
 @dataclass
 class PairBatch:
-    """Encoded pairs: ``inputs`` (2B rows, chosen at even rows) and the answer-token mask [2B, L]."""
+    """Encoded pairs: ``inputs`` (2B rows, chosen at even rows; kB for k ``columns``) and the answer-token
+    mask [2B, L]."""
 
     inputs: dict
     completion_mask: torch.Tensor
@@ -44,19 +46,28 @@ def answer_ids(vlm, prompt: list[dict], answer: list[dict], where: str) -> list[
 
 
 def encode_pairs(
-    vlm, rows: list[dict], max_length: int | None = None, one_vision_pass: bool = True
+    vlm,
+    rows: list[dict],
+    max_length: int | None = None,
+    one_vision_pass: bool = True,
+    columns: Sequence[str] = ("chosen", "rejected"),
 ) -> PairBatch:
-    """Preference rows -> :class:`PairBatch`; ``max_length`` cuts answers (never the prompt) from the right."""
+    """Preference rows -> :class:`PairBatch`; ``max_length`` cuts answers (never the prompt) from the right.
+
+    ``columns`` are the answers encoded after each prompt, in that order (row ``k·i + j`` is row i's
+    ``columns[j]``): KTO without a reference point needs only ``("chosen",)``, half the sequences.
+    """
     for i, row in enumerate(rows):
-        for column in ("chosen", "rejected"):
+        for column in columns:
             if any(b.get("type") == "image" for m in row[column] for b in _blocks(m)):
                 raise ValueError(
                     f"row {i}: images inside {column!r} are not supported; put them in the prompt"
                 )
+    k = len(columns)
     prompts = vlm.encode_prompts([r["prompt"] for r in rows], [r.get("images", []) for r in rows])
     completions = []
     for i, row in enumerate(rows):
-        for column in ("chosen", "rejected"):
+        for column in columns:
             completions.append(answer_ids(vlm, row["prompt"], row[column], f"row {i}, {column!r}"))
     if max_length is not None:
         prompt_len = prompts["attention_mask"].sum(dim=1)
@@ -67,11 +78,11 @@ def encode_pairs(
                     f"row {i}: the prompt alone has {length} tokens, max_length={max_length} leaves no room for "
                     "the answer (prompts and their image tokens are never truncated); raise max_length"
                 )
-            completions[2 * i] = completions[2 * i][:room]
-            completions[2 * i + 1] = completions[2 * i + 1][:room]
-    inputs = vlm.encode_prompt_completion(repeat_samples(prompts, 2, vlm.config), completions)
+            for j in range(k * i, k * i + k):
+                completions[j] = completions[j][:room]
+    inputs = vlm.encode_prompt_completion(repeat_samples(prompts, k, vlm.config), completions)
     if one_vision_pass:
-        inputs = with_image_groups(inputs, repeated_groups(len(rows), 2))
+        inputs = with_image_groups(inputs, repeated_groups(len(rows), k))
     return PairBatch(inputs=inputs, completion_mask=inputs["completion_mask"].bool(), num_pairs=len(rows))
 
 
