@@ -12,6 +12,7 @@ A failing scenario is written to ``OUT/<name>.error`` (rank 0) and the next one 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
@@ -44,7 +45,9 @@ def equivalence(name: str, out: Path, strategy: str = "ddp") -> None:
     tag = name if strategy == "ddp" else f"{strategy}_{name}"
     overrides = [*COMMON, *EQUIVALENCE[name], *world]
     overrides += ["+callbacks.save._target_=ddp_helpers.SaveWeights", f"+callbacks.save.path={out / tag}.pt"]
-    train(compose_train(overrides, out / tag))
+    metrics, _ = train(compose_train(overrides, out / tag))
+    if int(os.environ.get("RANK", "0")) == 0:  # what rank 0 logged: the values a user's logger shows
+        (out / f"{tag}.metrics.json").write_text(json.dumps({k: float(v) for k, v in metrics.items()}))
 
 
 def rows(out: Path, strategy: str = "ddp") -> None:
@@ -110,11 +113,16 @@ def fsdp_vllm(mode: str, out: Path) -> None:
 
 def collectives(out: Path) -> None:
     """The collectives with a different number of rows on each rank (rank r holds r + 1)."""
-    import json
 
     import torch.distributed as dist
 
-    from lightning_vlm.parallel.collectives import Shard, all_gather_object, gather_cat, mean_normalizer
+    from lightning_vlm.parallel.collectives import (
+        Shard,
+        all_gather_object,
+        gather_cat,
+        mean_normalizer,
+        pooled_means,
+    )
 
     dist.init_process_group("gloo") if not dist.is_initialized() else None
     r = dist.get_rank()
@@ -124,6 +132,7 @@ def collectives(out: Path) -> None:
         "gathered": gather_cat(rows.unsqueeze(-1).repeat(1, 3)).tolist(),
         "sizes": list(shard.sizes), "offset": shard.offset, "local": shard.local(shard.gather(rows)).tolist(),
         "normalizer": float(mean_normalizer(len(rows))), "objects": all_gather_object({"rank": r}),
+        "pooled": float(pooled_means({"mean": rows.mean()}, len(rows))["mean"]),
     }  # fmt: skip
     (out / f"collectives-rank{r}.json").write_text(json.dumps(result))
 

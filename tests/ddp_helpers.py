@@ -179,6 +179,12 @@ GENERATION = [
 ONLINE = [*GENERATION, "method.reward_funcs=[online_helpers.token_reward_fn]"]
 # Answers of 1 to 5 words: token counts differ between ranks, so only a loss normalised over all
 # ranks' tokens matches the one-process run (see write_variable_length_data).
+# A 2-batch validation at the end of fit (the 32 rows unpaired: 64 rows of alternating labels).
+KTO_VALIDATION = [
+    "data.val=${oc.env:DDP_TEST_DATA}/preference.jsonl",
+    "trainer.limit_val_batches=2",
+    "method.val_max_new_tokens=2",
+]
 EQUIVALENCE: dict[str, list[str]] = {
     "sft": ["method=sft", "data.train=${oc.env:DDP_TEST_DATA}/sft.jsonl"],
     "dpo": ["method=dpo", "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl"],
@@ -196,12 +202,19 @@ EQUIVALENCE: dict[str, list[str]] = {
         "method.precompute_ref_logps=true",
     ],  # fmt: skip
     # KTO reads the pairs as unpaired rows; z0 pairs each row with the previous one of the global batch
-    "kto": ["method=kto", "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl"],
+    # Validated too: the unpaired rows' labels alternate, so each rank holds one label, and the ranking
+    # accuracy exists only over both ranks' rows.
+    "kto": [
+        "method=kto",
+        "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl",
+        *KTO_VALIDATION,
+    ],  # fmt: skip
     # APO-zero: one sequence per row and no z0; each rank's mean rescaled to the mean over all rows
     "kto_apo_zero": [
         "method=kto",
         "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl",
         "method.loss_type=apo_zero_unpaired",
+        *KTO_VALIDATION,
     ],  # fmt: skip
     "grpo_dapo": ["method=grpo", *ONLINE, "method.loss_type=dapo"],
     # two optimizer steps per generation (old log-probs, clipping) and a KL to the reference

@@ -2,7 +2,8 @@
 
 One torchrun launch runs every two-process scenario (``_ddp_scenarios.py``); each test compares
 its result with a one-process run made here:
-- world 2 × batch 2 and world 1 × batch 4 give the same weights after 3 optimizer steps, for every
+- world 2 × batch 2 and world 1 × batch 4 give the same weights after 3 optimizer steps (and, for the
+  offline methods, the same logged step metrics), for every
   method (the online ones on rollouts that depend only on the prompt, so both see the same samples;
   GRPO with several loss types, GSPO, GDPO, the adaptive entropy bonus and dynamic sampling),
   under DDP and, for SFT, DPO, GRPO, RLOO and Online DPO, under FSDP (torch's FSDP runs on CPU);
@@ -78,6 +79,9 @@ def _one_process(name: str, tmp_path) -> tuple[dict[str, torch.Tensor], dict]:
 # order the ranks add them in shows more: 1.3e-5 apart on an AMD EPYC, where every other method stays
 # under 4e-7 (a wrong reduction moves weights by the update's size, >= 1e-2 here).
 ATOL = {"grpo_dr_grpo": 1e-4}
+# The offline methods' step metrics describe the whole step's batch, as TRL's gathered metrics do: what rank 0
+# logs on two processes is what one process logs (before, rank 0 logged its half of the rows).
+SAME_TRAIN_METRICS = ("sft", "dpo", "mpo", "mpo_token_mean", "dpo_precomputed", "kto", "kto_apo_zero")
 
 
 @pytest.mark.parametrize(
@@ -96,6 +100,16 @@ def test_two_processes_update_like_one(strategy, name, two_processes, tiny_path,
     assert moved > 1e-2, f"{name}: the weights hardly moved ({moved:.2e}); the comparison would be vacuous"
     for key, value in one.items():
         torch.testing.assert_close(two[key], value, atol=ATOL.get(name, 1e-5), rtol=0, msg=f"{name}: {key}")
+    if strategy == "ddp" and name in SAME_TRAIN_METRICS:
+        logged = json.loads((two_processes / f"{name}.metrics.json").read_text())
+        steps = {k: v for k, v in metrics.items() if k.startswith(("train/", "val/"))}
+        assert steps, f"{name}: nothing logged to compare"
+        if name.startswith("kto"):  # validated: each rank holds one label, the pairs span both ranks
+            assert 0 < metrics["val/rewards/accuracies"] < 1, metrics
+        assert steps.keys() <= logged.keys(), f"{name}: {sorted(steps.keys() - logged.keys())}"
+        for key, value in steps.items():
+            # Float noise only: sums of log-probs over batches of other shapes (rank 0's half before: 70 %).
+            assert logged[key] == pytest.approx(value, rel=1e-3, abs=1e-5), f"{name}: {key}"
 
 
 def _rows(folder) -> list[list[str]]:
@@ -157,4 +171,5 @@ def test_collectives_take_a_different_number_of_rows_on_each_rank(two_processes)
         assert result["sizes"] == [1, 2] and result["offset"] == [0, 1][rank]
         assert result["local"] == [[0.0], [10.0, 11.0]][rank]
         assert result["normalizer"] == 1.5  # (1 + 2) / 2
+        assert result["pooled"] == 7.0  # the mean of all 3 rows (0, 10, 11), not of the means 0 and 10.5
         assert result["objects"] == [{"rank": 0}, {"rank": 1}]

@@ -193,14 +193,14 @@ def test_apo_zero_unpaired_encodes_each_answer_once_with_kto_s_log_probs(tiny_pa
         ref = apo.ref.token_logps(single.inputs, single.completion_mask)[0].sum(dim=1)
     torch.testing.assert_close(one, chosen, atol=1e-5, rtol=1e-5)
 
-    loss, metrics = apo._loss(rows, train=False)
+    loss, metrics, _ = apo._loss(rows, train=False)
     desirable = torch.tensor([bool(r["label"]) for r in rows])
     expected = kto_losses(one - ref, desirable, None, 0.1, loss_type="apo_zero_unpaired").mean()
     assert (one - ref).abs().min() > 1e-3  # the check below is not the trivial r = 0 case
     torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-5)
     assert "kl" not in metrics
     with caplog.at_level(logging.WARNING, logger="lightning_vlm.methods.kto"):
-        loss, _ = apo._loss(rows[:1], train=False)
+        loss, _, _ = apo._loss(rows[:1], train=False)
     assert torch.isfinite(loss) and not caplog.records
 
 
@@ -213,7 +213,7 @@ def test_a_one_row_batch_adds_nothing_to_the_reference_point(tiny_path, caplog):
     module = KTO(VLM(tiny_path()), optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
     # at_level on the module's logger: a train() run earlier in the session may have set propagation
     with caplog.at_level(logging.WARNING, logger="lightning_vlm.methods.kto"):
-        loss, metrics = module._loss(synthetic_rows("unpaired", 1), train=False)
+        loss, metrics, _ = module._loss(synthetic_rows("unpaired", 1), train=False)
     assert torch.isfinite(loss) and metrics["kl"].item() == 0.0
     assert any("adds nothing to the reference point" in r.getMessage() for r in caplog.records)
 

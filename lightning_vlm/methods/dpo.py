@@ -29,7 +29,7 @@ from lightning_vlm.methods.reference_cache import ReferenceLogpCache, model_key,
 from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_tokens
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
-from lightning_vlm.parallel.collectives import all_gather_object, gather_cat, mean_normalizer
+from lightning_vlm.parallel.collectives import all_gather_object, gather_cat, mean_normalizer, pooled_means
 from lightning_vlm.settings_check import check_positive
 
 
@@ -187,12 +187,15 @@ class DPO(FactoryOptimized):
             hp.loss_type, hp.loss_weights, inputs, hp.beta, hp.label_smoothing, self.bco_delta.mean,
             hp.sft_normalization, sft_tokens,
         )  # fmt: skip
+        metrics["loss"] = loss.detach()
         if train:
             # Every term is a mean over pairs: rescale this rank's mean so that DDP's gradient average
             # is the mean over all ranks' pairs, also when ranks hold different numbers of them.
             pairs = torch.tensor(float(len(rows)), device=loss.device)
             loss = loss * pairs / mean_normalizer(pairs)
-        metrics["loss"] = loss.detach()
+            # Every metric is a mean over pairs too: the step's values over all ranks' pairs, as one
+            # process logs them (validation pools its epoch means through torchmetrics instead).
+            metrics = pooled_means(metrics, len(rows))
         return loss, metrics
 
     def training_step(self, rows: list[dict], batch_idx: int) -> torch.Tensor:

@@ -140,7 +140,10 @@ class KTO(FactoryOptimized):
         self.val_answer_accuracy = MeanMetric()
         self.val_new_tokens: int | None = None
 
-    def _loss(self, rows: list[dict], train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _loss(
+        self, rows: list[dict], train: bool
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """This rank's loss, the metrics over every rank's rows, and those rows' labels (bool [B_all])."""
         hp = self.hparams
         logps, ref, z0 = self._logps_and_reference_point(rows)
         desirable = torch.tensor([bool(r["label"]) for r in rows], device=self.device)
@@ -152,9 +155,15 @@ class KTO(FactoryOptimized):
             # Rescale this rank's mean so DDP's gradient average is the mean over all ranks' rows.
             n = torch.tensor(float(len(rows)), device=loss.device)
             loss = loss * n / mean_normalizer(n)
-        metrics = kto_metrics(logratios, desirable, z0, hp.beta, logps)
-        metrics["loss"] = loss.detach()
-        return loss, metrics
+        # Metrics over every rank's rows, as one process computes them (TRL gathers them too). The ranking
+        # accuracy pairs rows across ranks (a rank may hold only one label: the data's labels alternate,
+        # and rank r takes every N-th row), so the rows themselves are gathered, in one collective.
+        columns = [logratios, logps, desirable, losses]  # float32: one dtype to stack, whatever the precision
+        every = gather_cat(torch.stack([c.detach().float() for c in columns], dim=1))
+        labels = every[:, 2].bool()
+        metrics = kto_metrics(every[:, 0], labels, z0, hp.beta, every[:, 1])
+        metrics["loss"] = every[:, 3].mean()
+        return loss, metrics, labels
 
     def _logps_and_reference_point(
         self, rows: list[dict]
@@ -190,7 +199,7 @@ class KTO(FactoryOptimized):
         return logps, ref, kto_reference_point(gather_cat(kl))
 
     def training_step(self, rows: list[dict], batch_idx: int) -> torch.Tensor:
-        loss, metrics = self._loss(rows, train=True)
+        loss, metrics, _ = self._loss(rows, train=True)
         for name, value in metrics.items():
             if not torch.isnan(value):  # a batch without one of the labels has no value for it
                 self.log(f"train/{name}", value, on_step=True, on_epoch=False, batch_size=len(rows),
@@ -198,14 +207,16 @@ class KTO(FactoryOptimized):
         return loss
 
     def validation_step(self, rows: list[dict], batch_idx: int) -> None:
-        _, metrics = self._loss(rows, train=False)
-        desirable = sum(bool(r["label"]) for r in rows)
+        # Every rank updates with the same values over all ranks' rows, so the synced epoch means are those
+        # of the one-process run.
+        _, metrics, labels = self._loss(rows, train=False)
+        desirable, undesirable = int(labels.sum()), int((~labels).sum())
         for name in METRICS:
             if name not in metrics:  # kl under apo_zero_unpaired: not estimated
                 continue
             metric, value = self.val_metrics[name.replace("/", "__")], metrics[name]
             if not torch.isnan(value):  # NaN: this batch has none of the rows the metric is over
-                metric.update(value, weight=metric_weight(name, desirable, len(rows) - desirable))
+                metric.update(value, weight=metric_weight(name, desirable, undesirable))
             self.log(f"val/{name}", metric, prog_bar=name == "rewards/accuracies", batch_size=len(rows))
         _, hits = greedy_answer_hits(self.generator, rows, reference_answers(rows), self.val_new_tokens)
         self.val_answer_accuracy.update(torch.tensor(hits, device=self.device))

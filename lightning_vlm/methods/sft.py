@@ -18,7 +18,7 @@ from lightning_vlm.methods.common import (
 from lightning_vlm.methods.completions import CompletionRecorder, answer_samples
 from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_tokens
 from lightning_vlm.models.vlm import VLM
-from lightning_vlm.parallel.collectives import mean_normalizer
+from lightning_vlm.parallel.collectives import all_reduce_sum, mean_normalizer, world_size
 from lightning_vlm.settings_check import check_positive
 
 
@@ -64,10 +64,13 @@ class SFT(FactoryOptimized):
 
     def training_step(self, rows: list[dict], batch_idx: int) -> torch.Tensor:
         loss, correct, total = self._loss_and_accuracy(rows, train=True)
-        # forward() gives this batch's value for the step log; the epoch value is token-weighted and
-        # synced across devices by torchmetrics.
-        self.train_token_accuracy(correct / total.clamp(min=1), weight=total)
-        self.log("train/loss", loss, prog_bar=True, batch_size=len(rows))
+        # The step's values over every rank's tokens, as one process logs them (one all-reduce). Each
+        # rank's loss is its token sum over the mean token count per rank (see mean_normalizer), so the
+        # mean over ranks is the token mean of the whole batch. Every rank feeds the same accuracy, so
+        # the epoch value torchmetrics syncs stays the token-weighted mean.
+        sums = all_reduce_sum(torch.stack([loss.detach().float(), correct.float(), total.float()]))
+        self.train_token_accuracy(sums[1] / sums[2].clamp(min=1), weight=sums[2])
+        self.log("train/loss", sums[0] / world_size(), prog_bar=True, batch_size=len(rows))
         self.log(
             "train/token_accuracy", self.train_token_accuracy, on_step=True, on_epoch=True, prog_bar=True,
             batch_size=len(rows),

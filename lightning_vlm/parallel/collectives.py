@@ -118,3 +118,19 @@ def mean_normalizer(count: torch.Tensor | int | float, device: torch.device | st
     """
     count = torch.as_tensor(count, device=device if not torch.is_tensor(count) else count.device)
     return all_reduce_sum(count.to(torch.float32)) / world_size()
+
+
+def pooled_means(
+    values: dict[str, torch.Tensor], count: torch.Tensor | int | float
+) -> dict[str, torch.Tensor]:
+    """Means over this rank's ``count`` items -> the means over every rank's items, in one all-reduce:
+    what one process holding all the rows computes (TRL gathers its logged metrics the same way).
+    Detached; every value must be a mean over the same items. A collective: every rank calls it.
+    """
+    names = list(values)
+    if world_size() == 1:
+        return {k: v.detach() for k, v in values.items()}
+    n = torch.as_tensor(count, dtype=torch.float32, device=values[names[0]].device)
+    stacked = torch.stack([values[k].detach().to(torch.float32) * n for k in names] + [n])
+    sums = all_reduce_sum(stacked)
+    return {k: sums[i] / sums[-1] for i, k in enumerate(names)}
