@@ -113,7 +113,6 @@ def fsdp_vllm(mode: str, out: Path) -> None:
 
 def collectives(out: Path) -> None:
     """The collectives with a different number of rows on each rank (rank r holds r + 1)."""
-
     import torch.distributed as dist
 
     from lightning_vlm.parallel.collectives import (

@@ -177,14 +177,14 @@ GENERATION = [
     "method.num_generations=4", "method.max_completion_length=4", "method.micro_batch_size=2",
 ]  # fmt: skip
 ONLINE = [*GENERATION, "method.reward_funcs=[online_helpers.token_reward_fn]"]
-# Answers of 1 to 5 words: token counts differ between ranks, so only a loss normalised over all
-# ranks' tokens matches the one-process run (see write_variable_length_data).
 # A 2-batch validation at the end of fit (the 32 rows unpaired: 64 rows of alternating labels).
 KTO_VALIDATION = [
     "data.val=${oc.env:DDP_TEST_DATA}/preference.jsonl",
     "trainer.limit_val_batches=2",
     "method.val_max_new_tokens=2",
 ]
+# Answers of 1 to 5 words: token counts differ between ranks, so only a loss normalised over all
+# ranks' tokens matches the one-process run (see write_variable_length_data).
 EQUIVALENCE: dict[str, list[str]] = {
     "sft": ["method=sft", "data.train=${oc.env:DDP_TEST_DATA}/sft.jsonl"],
     "dpo": ["method=dpo", "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl"],

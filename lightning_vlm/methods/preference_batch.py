@@ -21,8 +21,8 @@ from lightning_vlm.models.vision_cache import repeated_groups, with_image_groups
 
 @dataclass
 class PairBatch:
-    """Encoded pairs: ``inputs`` (2B rows, chosen at even rows; kB for k ``columns``) and the answer-token
-    mask [2B, L]."""
+    """Encoded answers: ``inputs`` (kB rows for k ``columns``; for pairs, chosen at even rows) and the
+    answer-token mask [kB, L]."""
 
     inputs: dict
     completion_mask: torch.Tensor
