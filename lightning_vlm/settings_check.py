@@ -12,10 +12,12 @@ weights, ``max_length``) are left to it, so direct construction says the same.
 from __future__ import annotations
 
 import numbers
+from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import DictConfig
 
+from lightning_vlm.methods.dynamic_sampling import DynamicSampling
 from lightning_vlm.models.model_source import check_model_source
 
 
@@ -96,10 +98,27 @@ def _check_online(method: Any, data: Any) -> None:
         raise ValueError(f"method.sampling.top_k must be >= 0 or null (0 or null: off), got {top_k!r}")
     prompts, generations = data.get("batch_size"), method.get("num_generations")
     steps = method.get("steps_per_generation", 1)
+    dynamic = DynamicSampling.of(_rounds_only(method.get("dynamic_sampling")))
     if all(isinstance(v, int) and v >= 1 for v in (prompts, generations, steps)):
-        if (prompts * generations) % steps:
+        # With dynamic sampling a step trains on one round of the pool, not on the whole batch.
+        groups = dynamic.round_size(prompts)
+        if (groups * generations) % steps:
+            source = (
+                f"⌈data.batch_size={prompts} / method.dynamic_sampling.max_num_gen_batches="
+                f"{dynamic.max_num_gen_batches}⌉ = {groups} groups"
+                if dynamic.enabled
+                else f"data.batch_size={prompts}"
+            )
             raise ValueError(
-                f"method.steps_per_generation={steps} does not divide the {prompts * generations} completions "
-                f"of a generation (data.batch_size={prompts} × method.num_generations={generations}) into "
+                f"method.steps_per_generation={steps} does not divide the {groups * generations} completions "
+                f"a generation trains on ({source} × method.num_generations={generations}) into "
                 "equal optimizer steps"
             )
+
+
+def _rounds_only(value: Any) -> Any:
+    """``method.dynamic_sampling`` without its ``filter``, which may still be an uninstantiated
+    ``_target_`` here: its other fields get checked (and named) before anything is built."""
+    if isinstance(value, Mapping):
+        return {k: v for k, v in value.items() if k != "filter"}
+    return value

@@ -26,6 +26,7 @@ from lightning_vlm.methods.rloo import RLOO
 from lightning_vlm.methods.sft import SFT
 from lightning_vlm.models.vlm import VLM
 from lightning_vlm.rewards.scoring import RewardFunctionError, RewardScorer
+from lightning_vlm.settings_check import check_settings
 from lightning_vlm.training import train
 
 # A few steps of a small job; every case below fails (or is expected to) before the first step.
@@ -61,6 +62,12 @@ TRAIN_CASES = [
     (["method=grpo", "method.val_num_generations=0"], ValueError, r"method\.val_num_generations must be > 0", NEW),
     (["method=grpo", "method.steps_per_generation=3"], ValueError,
      r"method\.steps_per_generation=3 does not divide the 32 completions .*data\.batch_size=4", NEW),
+    # dynamic sampling trains on one round of the pool: 4 groups of 8, not the 12 prompts' 96 (which split)
+    (["method=dapo", "method.steps_per_generation=3"], ValueError,
+     r"does not divide the 32 completions a generation trains on \(⌈data\.batch_size=12 / "
+     r"method\.dynamic_sampling\.max_num_gen_batches=3⌉ = 4 groups", NEW),
+    (["method=grpo", "method.dynamic_sampling=true"], ValueError,
+     r"method\.dynamic_sampling must be a mapping such as \{enabled: true\}", NEW),
     # online methods' constructors
     (["method=grpo", "method.num_generations=0"], InstantiationException, r"num_generations must be >= 1", CLEAR),
     (["method=online_dpo", "method.num_generations=4"], InstantiationException, r"num_generations must be 2", CLEAR),
@@ -101,6 +108,14 @@ def test_train_py_settings_fail_early_naming_the_setting(
     cfg = compose_train([*SMALL, *overrides], tmp_path)
     with pytest.raises(error, match=message):
         train(cfg)
+
+
+def test_dynamic_sampling_steps_need_to_split_one_round_not_the_whole_pool(tmp_path):
+    # 9 prompts in 2 rounds: a step trains on 5 groups of 2 (10 completions, 5 steps of 2); the pool's
+    # 18 would not split into 5, and this used to be refused.
+    overrides = ["method=dapo", "data.batch_size=9", "method.num_generations=2", "method.steps_per_generation=5",
+                 "method.dynamic_sampling.max_num_gen_batches=2"]  # fmt: skip
+    check_settings(compose_train([*SMALL, *overrides], tmp_path))
 
 
 @pytest.fixture(scope="module")

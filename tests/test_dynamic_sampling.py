@@ -59,7 +59,7 @@ def _collect(patterns: list[str], rounds: int, filter_="zero_std", enabled=True,
 
     settings = DynamicSampling(enabled=enabled, filter=filter_, max_num_gen_batches=rounds)
     done = everyone or (lambda d: d)
-    rollouts, per_function, counts = collect(pool, settings, generate, score, lambda p: p.sum(-1), done)
+    rollouts, per_function, counts = collect(pool, settings, generate, score, lambda r, p: p.sum(-1), done)
     return rollouts, per_function, counts, calls
 
 
@@ -123,6 +123,8 @@ def test_all_ranks_run_the_same_rounds():
         ["10", "01", "11", "11"], rounds=2, everyone=lambda d: next(answers)
     )
     assert len(calls) == 2 and [r["id"] for r in rollouts.rows] == [0, 1]
+    # Round 1 drew one prompt only to stay in step: it was generated, but its tie is no filtering.
+    assert counts["generated"] == 6.0 and counts["groups_filtered"] == 0.0
 
 
 def test_a_custom_filter_sees_rewards_and_per_function():
@@ -156,6 +158,9 @@ def test_select_and_concat_keep_groups_whole():
         ({"enabled": True, "max_num_gen_batches": 0}, "max_num_gen_batches must be an integer >= 1"),
         ({"enabled": True, "filter": "std"}, "filter 'std' is unknown"),
         ({"enabled": True, "rounds": 2}, r"unknown method.dynamic_sampling keys \['rounds'\]"),
+        (True, r"method.dynamic_sampling must be a mapping such as \{enabled: true\}.*got True"),
+        ("on", r"method.dynamic_sampling must be a mapping .*got 'on'"),
+        ({"enabled": "no"}, "method.dynamic_sampling.enabled must be true or false, got 'no'"),
     ],
 )
 def test_bad_settings_name_the_key(value, match):
@@ -178,3 +183,28 @@ def test_describe_is_plain_values():
     assert DynamicSampling(True, keep, 2).describe() == {
         "enabled": True, "filter": "zero_std_filter", "max_num_gen_batches": 2}  # fmt: skip
     assert DynamicSampling().describe()["filter"] == "zero_std"
+
+
+def _constant_reward(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+@pytest.mark.parametrize(("penalty", "kept"), [(None, 0.0), (1.0, 2.0)])
+def test_online_dpo_filters_on_the_rewards_it_picks_pairs_by(tiny_path, penalty, kept):
+    # Every answer scores 1, but each pair's first one ran out of tokens: missing_eos_penalty breaks the
+    # tie, so the pair teaches (chosen: the one that ended) and dynamic sampling must keep it.
+    from online_helpers import FixedGenerator, fit_steps, sample_rollouts, sgd
+
+    from lightning_vlm.data.synthetic import synthetic_rows
+    from lightning_vlm.methods.online_dpo import OnlineDPO
+    from lightning_vlm.models.vlm import VLM
+
+    vlm, rows = VLM(tiny_path("qwen2_5_vl")), synthetic_rows("prompt", 2, seed=3)
+    rollouts = sample_rollouts(vlm, rows, 2, max_new_tokens=4)
+    rollouts.truncated = [True, False, True, False]
+    module = OnlineDPO(vlm, optimizer=sgd(1e-3), reward_funcs=[_constant_reward], missing_eos_penalty=penalty, num_candidates=2,
+                       max_completion_length=4, dynamic_sampling={"enabled": True, "max_num_gen_batches": 1})  # fmt: skip
+    module.generator = FixedGenerator(rollouts)
+    metrics = fit_steps(module, rows).callback_metrics
+    assert metrics["train/dynamic_sampling/groups_kept"] == kept
+    assert metrics["train/dynamic_sampling/groups_filtered"] == 2.0 - kept

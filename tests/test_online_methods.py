@@ -11,6 +11,7 @@ from lightning_vlm.losses.advantages import group_advantages
 from lightning_vlm.methods.grpo import GRPO
 from lightning_vlm.methods.online_dpo import OnlineDPO
 from lightning_vlm.methods.rloo import RLOO
+from lightning_vlm.methods.rollout_buffer import index_chunks
 from lightning_vlm.models.vlm import VLM
 from lightning_vlm.rewards.scoring import RewardFunctionError
 
@@ -128,11 +129,29 @@ def test_bad_settings_name_the_setting(tiny_path, cls, kwargs, setting):
         cls(vlm, optimizer=sgd(), **kwargs)
 
 
-def test_steps_per_generation_must_split_the_batch(tiny_path, rows):
+def test_index_chunks_split_unevenly_into_steps_and_micro_batches():
+    def ids(chunks):
+        return [[m.tolist() for m in step] for step in chunks]
+
+    assert ids(index_chunks(8, 2, 3)) == [[[0, 1, 2], [3]], [[4, 5, 6], [7]]]
+    assert ids(index_chunks(7, 3, 2)) == [[[0, 1], [2]], [[3, 4]], [[5, 6]]]  # the first step takes one more
+    assert ids(index_chunks(2, 4, None)) == [[[0]], [[1]]]  # never more steps than completions
+
+
+@pytest.mark.parametrize(("prompts", "steps"), [(2, [[0, 1], [2, 3], [4], [5]]), (1, [[0], [1], [2]])])
+def test_a_batch_steps_per_generation_does_not_split_trains_each_completion_once(
+    tiny_path, rows, prompts, steps
+):
+    # An epoch's short last batch: 3 completions a prompt, 4 steps a generation. It used to stop the run.
     vlm = VLM(tiny_path("qwen2_5_vl"))
-    module = GRPO(vlm, optimizer=sgd(), num_generations=3, steps_per_generation=4, max_completion_length=4)
-    with pytest.raises(ValueError, match="steps_per_generation"):
-        fit_steps(module, rows)
+    module = GRPO(vlm, optimizer=sgd(1e-3), reward_funcs=[token_reward_fn], num_generations=3,
+                  steps_per_generation=4, max_completion_length=4)  # fmt: skip
+    seen, loss = [], module.loss
+    module.loss = lambda batch, index, step, *rest: (
+        seen.append(step.index.tolist()) or loss(batch, index, step, *rest)
+    )
+    trainer = fit_steps(module, rows[:prompts], steps=len(steps))
+    assert trainer.global_step == len(steps) and seen == steps
 
 
 def test_steps_per_generation_and_iterations_step_the_optimizer_and_report_updates(tiny_path, rows):

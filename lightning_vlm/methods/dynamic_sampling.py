@@ -11,7 +11,10 @@ kept ones first; if too few passed, the last filtered ones fill the gap, so the 
 micro-batching and DDP. With the built-in filter their advantages are 0: they change nothing but the
 normalisers (token and sequence counts, and the batch std under ``scale_rewards: batch``). Under GDPO
 ``zero_std`` checks each weighted reward (``any_reward_std_filter``), as GDPO's advantages do. A custom
-filter may drop groups that would teach; if they fill a step, they train like any other group.
+filter may drop groups that would teach; if they fill a step, they train like any other group. The
+filter sees the rewards the loss trains on as far as they are known before any forward pass (Online
+DPO's include ``missing_eos_penalty``); RLOO's KL penalty (``beta`` > 0) comes later, so there a tied
+group, whose only signal is the KL, is dropped (DAPO has no KL term), and a filler group trains on it.
 Because the pool is the dataloader's batch and each round's sampling seed is derived from
 (seed, global_step, rank, round), a resumed run regenerates exactly what the uninterrupted one drew.
 Unused prompts of a pool are not revisited in that epoch (verl and EasyR1 likewise move on).
@@ -22,7 +25,7 @@ The filter is any callable ``keep(rewards [G], per_function [G, F]) -> bool`` (`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -72,6 +75,11 @@ class DynamicSampling:
         """From a config mapping (or None: off), checked: the error names the bad key."""
         if value is None or isinstance(value, DynamicSampling):
             return value or cls()
+        if not isinstance(value, Mapping):
+            raise ValueError(
+                f"method.dynamic_sampling must be a mapping such as {{enabled: true}} (or null: off), "
+                f"got {value!r}"
+            )
         unknown = set(value) - {"enabled", "filter", "max_num_gen_batches"}
         if unknown:
             raise ValueError(
@@ -79,6 +87,10 @@ class DynamicSampling:
                 "expected enabled, filter, max_num_gen_batches"
             )
         settings = cls(**value)
+        if not isinstance(settings.enabled, bool):
+            raise ValueError(
+                f"method.dynamic_sampling.enabled must be true or false, got {settings.enabled!r}"
+            )
         if not isinstance(settings.max_num_gen_batches, int) or settings.max_num_gen_batches < 1:
             raise ValueError(
                 f"method.dynamic_sampling.max_num_gen_batches must be an integer >= 1, "
@@ -160,6 +172,7 @@ class Collected:
     dropped: list[tuple[Rollouts, torch.Tensor]] = field(default_factory=list)
     rounds: int = 0
     generated: int = 0  # completions generated
+    filtered: int = 0  # groups the filter dropped while this rank still needed groups
 
     @property
     def num_kept(self) -> int:
@@ -171,15 +184,16 @@ def collect(
     settings: DynamicSampling,
     generate: Callable[[list[dict], int], Rollouts],
     score: Callable[[Rollouts], torch.Tensor],
-    total: Callable[[torch.Tensor], torch.Tensor],
+    total: Callable[[Rollouts, torch.Tensor], torch.Tensor],
     everyone_has: Callable[[bool], bool],
 ) -> tuple[Rollouts, torch.Tensor, dict[str, float]]:
     """Generate ``pool`` round by round until a round's worth of groups passes the filter.
 
-    ``generate(rows, round)`` samples (seeded by the round), ``score`` gives [N, F] rewards, ``total``
-    their weighted sum [N]; ``everyone_has(done)`` is True when every rank is done (a collective, so
-    all ranks run the same rounds: FSDP's forwards must match). Returns the step's rollouts, their
-    [N, F] rewards, and this rank's counts (rounds, generated, kept, dropped, filled groups).
+    ``generate(rows, round)`` samples (seeded by the round), ``score`` gives [N, F] rewards,
+    ``total(rollouts, per_function)`` the [N] rewards the method trains on (their weighted sum, less
+    any penalty); ``everyone_has(done)`` is True when every rank is done (a collective, so all ranks
+    run the same rounds: FSDP's forwards must match). Returns the step's rollouts, their [N, F]
+    rewards, and this rank's counts (rounds, generated, kept, filtered, filled groups).
     """
     size = settings.round_size(len(pool))
     keep = settings.group_filter
@@ -198,8 +212,10 @@ def collect(
         if not settings.enabled:
             return rollouts, per_function, {}
         g = rollouts.num_generations
-        rewards = total(per_function).view(-1, g)
+        rewards = total(rollouts, per_function).view(-1, g)
         decisions = [bool(keep(rewards[i], per_function[i * g : (i + 1) * g])) for i in range(len(rewards))]
+        if got.num_kept < size:  # a full rank's draw only keeps the rounds aligned: not a filtering
+            got.filtered += decisions.count(False)
         for passed, target in ((True, got.kept), (False, got.dropped)):
             groups = [i for i, d in enumerate(decisions) if d == passed]
             if groups:
@@ -215,7 +231,7 @@ def collect(
         "rounds": float(got.rounds),
         "generated": float(got.generated),
         "groups_kept": float(min(got.num_kept, size)),
-        "groups_filtered": float(sum(len(r.rows) for r, _ in got.dropped)),
+        "groups_filtered": float(got.filtered),
         "groups_filled": float(max(size - got.num_kept, 0)),
     }
     return rollouts, per_function, counts

@@ -3,8 +3,10 @@
 One ``training_step`` is one generation: the prompt batch gets ``num_generations`` completions each
 from ``self.generator``, the rewards and advantages are computed once, and then
 ``num_iterations`` × ``steps_per_generation`` optimizer steps run over those rollouts (manual
-optimisation; each step accumulates micro-batches of ``micro_batch_size`` completions and divides by
-normalisers of the whole step, so micro-batch 1 × 4 == micro-batch 4 × 1). The rollouts live only
+optimisation; an epoch's short last batch that does not split evenly gets steps one completion apart,
+never more steps than completions; each step accumulates micro-batches of ``micro_batch_size``
+completions and divides by normalisers of the whole step, so micro-batch 1 × 4 == micro-batch 4 × 1).
+The rollouts live only
 inside the step and sampling is seeded from (``seed``, ``global_step``, rank), so a checkpoint taken
 between steps needs neither a buffer nor RNG state to continue the same run.
 
@@ -142,11 +144,6 @@ class OnlineRL(RolloutSampling):
             self.vlm, rollouts, per_function, self.scorer.total(per_function), hp.mask_truncated_completions
         ).to(self.device)
         n = len(batch)
-        if n % hp.steps_per_generation:
-            raise ValueError(
-                f"{n} completions (batch_size × num_generations) do not split into "
-                f"steps_per_generation={hp.steps_per_generation} equal optimizer steps"
-            )
         batch.shard = Shard.exchange(n, self.device)
         # 3. Log-probs that must be frozen at generation time: old (the policy will move, or the
         #    sampler was another engine) and reference (KL).
@@ -172,7 +169,10 @@ class OnlineRL(RolloutSampling):
         # 5. num_iterations passes over steps_per_generation optimizer steps. Every loss divides by
         #    normalisers of its whole optimizer step over all ranks, so neither micro-batching nor the
         #    number of processes changes the update.
-        chunks = index_chunks(n, hp.steps_per_generation, hp.micro_batch_size)
+        # An epoch's short last batch may not split into steps_per_generation equal steps: its steps
+        # differ by one completion, and are never more than the smallest rank's completions, so every
+        # rank runs the same optimizer steps.
+        chunks = index_chunks(n, min(hp.steps_per_generation, *batch.shard.sizes), hp.micro_batch_size)
         check_micro_batches(self, chunks)
         counts = global_counts(
             [self.step_counts(batch, torch.cat(c).to(self.device)) for c in chunks], batch.shard.world_size
@@ -199,7 +199,7 @@ class OnlineRL(RolloutSampling):
                 if sched is not None:
                     sched.step()
                 self.on_policy_update()
-        steps = hp.num_iterations * hp.steps_per_generation
+        steps = hp.num_iterations * len(chunks)
         # Loss terms add up over a step's micro-batches; the stats were weighted to a mean per step.
         # Each rank's loss is its share of the step's loss: the mean over ranks is the step's loss.
         log_synced(self, {f"train/{k}": torch.stack(v).sum() / steps for k, v in metrics.items()}, len(rows))

@@ -89,6 +89,10 @@ class OnlineDPO(OnlineRL):
         cut = torch.tensor(truncated, device=rewards.device, dtype=rewards.dtype)
         return rewards - self.hparams.missing_eos_penalty * cut
 
+    def train_rewards(self, rollouts: Rollouts, per_function: torch.Tensor) -> torch.Tensor:
+        """The rewards pairs are picked and judged by: ``missing_eos_penalty`` can break a tie, or make one."""
+        return self.penalized(self.scorer.total(per_function), rollouts.truncated)
+
     def sample(self, pool: list[dict]) -> tuple[Rollouts, torch.Tensor]:
         """Sample ``num_candidates`` per prompt and keep (best, worst) by reward: the pair to train on."""
         rollouts, per_function = super().sample(pool)
@@ -98,7 +102,7 @@ class OnlineDPO(OnlineRL):
                              f"num_candidates={k} were asked for")  # fmt: skip
         if k == 2:
             return rollouts, per_function
-        rewards = self.penalized(self.scorer.total(per_function), rollouts.truncated)
+        rewards = self.train_rewards(rollouts, per_function)
         index = best_and_worst(rewards, k)
         log_synced(self, {"train/candidates/reward": torch.nanmean(rewards)}, len(pool))
         picked = select_completions(rollouts, range(len(rollouts.rows)), index, 2)

@@ -48,15 +48,28 @@ class RolloutSampling(L.LightningModule):
             return all_reduce_sum(torch.tensor(float(not done), device=self.device)).item() == 0
 
         rollouts, per_function, counts = collect(
-            pool, self.dynamic_sampling, generate, lambda r: self.score(r)[0], self.scorer.total,
+            pool, self.dynamic_sampling, generate, lambda r: self.score(r)[0], self.train_rewards,
             everyone_done,
         )  # fmt: skip
-        generated = counts.get("generated", float(len(rollouts)))
-        self.completions_generated += int(all_reduce_sum(torch.tensor(generated, device=self.device)).item())
-        values = {f"train/dynamic_sampling/{k}": torch.tensor(v) for k, v in counts.items()}
+        counts.setdefault("generated", float(len(rollouts)))
+        # Counts of every rank together, in one all-reduce; rounds are the same on every rank.
+        rounds = counts.pop("rounds", None)
+        totals = all_reduce_sum(torch.tensor(list(counts.values()), dtype=torch.float64, device=self.device))
+        counts = dict(zip(counts, totals.tolist(), strict=True))
+        self.completions_generated += int(counts["generated"])
+        values = {}
+        if self.dynamic_sampling.enabled:
+            values = {f"train/dynamic_sampling/{k}": torch.tensor(v) for k, v in counts.items()}
+            values["train/dynamic_sampling/rounds"] = torch.tensor(rounds)
         values["train/completions_generated"] = torch.tensor(float(self.completions_generated))
+        # Every rank logs the same (global) values: the mean over ranks leaves them as they are.
         log_synced(self, values, len(pool))
         return rollouts, per_function
+
+    def train_rewards(self, rollouts: Rollouts, per_function: torch.Tensor) -> torch.Tensor:
+        """The [N] rewards the loss trains on, as far as they are known at sampling time (dynamic
+        sampling filters on them): the weighted sum of the reward functions."""
+        return self.scorer.total(per_function)
 
     @property
     def samples_per_prompt(self) -> int:

@@ -204,11 +204,15 @@ def reward_columns(rollouts: Rollouts) -> dict[str, list]:
 
 
 def index_chunks(n: int, parts: int, size: int | None) -> list[list[torch.Tensor]]:
-    """``n`` completions in ``parts`` consecutive optimizer-step chunks, each in micro-batches of ``size``."""
-    per_step = n // parts
+    """``n`` completions in ``parts`` consecutive optimizer-step chunks, each in micro-batches of ``size``.
+
+    When ``parts`` does not divide ``n`` (an epoch's short last batch) the first ``n % parts`` steps
+    take one completion more: every completion trains once, in steps as even as they can be (the
+    settings check refuses a full batch that does not split). Never more steps than completions.
+    """
+    parts = max(min(parts, n), 1)
     chunks = []
-    for s in range(parts):
-        step = torch.arange(s * per_step, (s + 1) * per_step)
-        width = size or per_step
-        chunks.append([step[i : i + width] for i in range(0, per_step, width)])
+    for step in torch.arange(n).tensor_split(parts):
+        width = size or len(step)
+        chunks.append([step[i : i + width] for i in range(0, len(step), width)])
     return chunks
