@@ -127,11 +127,14 @@ def collectives(out: Path) -> None:
     r = dist.get_rank()
     rows = torch.arange(r + 1, dtype=torch.float32) + 10 * r
     shard = Shard.exchange(len(rows))
+    # rank 1 without rows (its mean NaN) adds nothing: rank 0's mean, not NaN on both
+    one_empty = ({"mean": rows[:0].mean()}, 0) if r else ({"mean": rows.mean() + 5}, 1)
     result = {
         "gathered": gather_cat(rows.unsqueeze(-1).repeat(1, 3)).tolist(),
         "sizes": list(shard.sizes), "offset": shard.offset, "local": shard.local(shard.gather(rows)).tolist(),
         "normalizer": float(mean_normalizer(len(rows))), "objects": all_gather_object({"rank": r}),
         "pooled": float(pooled_means({"mean": rows.mean()}, len(rows))["mean"]),
+        "pooled_one_empty": float(pooled_means(*one_empty)["mean"]),
     }  # fmt: skip
     (out / f"collectives-rank{r}.json").write_text(json.dumps(result))
 

@@ -92,6 +92,11 @@ def test_two_processes_update_like_one(strategy, name, two_processes, tiny_path,
     if "dynamic_sampling" in name:  # the last step's pool had two tied groups: filtered, then replaced
         assert metrics["train/dynamic_sampling/groups_filtered"] == 2
         assert metrics["train/dynamic_sampling/groups_kept"] == 2
+        if strategy == "ddp":  # counts of both ranks together (a mean over ranks read half of them)
+            logged = json.loads((two_processes / f"{name}.metrics.json").read_text())
+            for count in ("groups_filtered", "groups_kept", "groups_filled"):
+                key = f"train/dynamic_sampling/{count}"
+                assert logged[key] == metrics[key], f"{key}: {logged[key]} on 2 processes"
     two = torch.load(two_processes / f"{name if strategy == 'ddp' else 'fsdp_' + name}.pt", weights_only=True)
     from lightning_vlm.models.vlm import VLM
 
@@ -172,4 +177,5 @@ def test_collectives_take_a_different_number_of_rows_on_each_rank(two_processes)
         assert result["local"] == [[0.0], [10.0, 11.0]][rank]
         assert result["normalizer"] == 1.5  # (1 + 2) / 2
         assert result["pooled"] == 7.0  # the mean of all 3 rows (0, 10, 11), not of the means 0 and 10.5
+        assert result["pooled_one_empty"] == 5.0  # rank 0's one row (5); rank 1's empty mean is NaN
         assert result["objects"] == [{"rank": 0}, {"rank": 1}]

@@ -169,7 +169,7 @@ def test_one_vision_pass_per_row_gives_the_naive_log_probs(tiny_path):
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_apo_zero_unpaired_encodes_each_answer_once_with_kto_s_log_probs(tiny_path, caplog):
+def test_apo_zero_unpaired_encodes_each_answer_once_with_kto_s_log_probs(tiny_path, caplog, monkeypatch):
     # Without a reference point, no mismatched answers: B sequences instead of 2B, the same log-probs of
     # the matched answers, and a batch of one row is no special case.
     from lightning_vlm.methods.kto import KTO
@@ -193,7 +193,15 @@ def test_apo_zero_unpaired_encodes_each_answer_once_with_kto_s_log_probs(tiny_pa
         ref = apo.ref.token_logps(single.inputs, single.completion_mask)[0].sum(dim=1)
     torch.testing.assert_close(one, chosen, atol=1e-5, rtol=1e-5)
 
+    forward, sizes = vlm.token_logps, []
+
+    def recording(inputs, *args, **kwargs):
+        sizes.append(inputs["input_ids"].shape[0])
+        return forward(inputs, *args, **kwargs)
+
+    monkeypatch.setattr(vlm, "token_logps", recording)
     loss, metrics, _ = apo._loss(rows, train=False)
+    assert sizes and set(sizes) == {3}, sizes  # each of the 3 rows once, in every pass
     desirable = torch.tensor([bool(r["label"]) for r in rows])
     expected = kto_losses(one - ref, desirable, None, 0.1, loss_type="apo_zero_unpaired").mean()
     assert (one - ref).abs().min() > 1e-3  # the check below is not the trivial r = 0 case

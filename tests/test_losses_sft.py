@@ -26,3 +26,11 @@ def test_token_accuracy_counts_only_masked():
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     correct, total = token_accuracy(pred, tgt, mask)
     assert (correct.item(), total.item()) == (3, 5)
+
+
+def test_a_normaliser_under_one_token_per_rank_is_kept():
+    # 1 target token on 2 ranks: each divides its sum by 1 / 2, so DDP's mean of the two losses is that
+    # token's NLL (a clamp at 1 halved it).
+    logps, mask = torch.tensor([[math.log(0.25)]]), torch.tensor([[1]])
+    ranks = [sft_loss(logps, mask, 0.5), sft_loss(torch.zeros(1, 1), torch.zeros(1, 1), 0.5)]
+    assert torch.isclose(sum(ranks) / 2, torch.tensor(2 * math.log(2)))

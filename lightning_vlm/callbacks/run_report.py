@@ -40,6 +40,7 @@ class RunReport(L.Callback):
         self.history: dict[str, dict[int, float]] = {}
         # panel title -> metrics drawn in it, set by finish()
         self.drawn: dict[str, list[str]] = {}
+        self._recorded_at: int | None = None  # global step of the last training point
 
     @property
     def curves_path(self) -> Path:
@@ -55,13 +56,19 @@ class RunReport(L.Callback):
                 continue
             value = torch.as_tensor(value)
             if value.numel() == 1:
-                # Keyed by step: with gradient accumulation the step's last micro-batch wins.
                 self.history.setdefault(name, {})[trainer.global_step] = float(value)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._recorded_at = trainer.global_step  # a resumed run's restored points stay as they were
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._record(trainer, validation=False)
+        # Only after an optimizer step (keyed by step): under gradient accumulation a step's first
+        # micro-batches would write their partial values over the previous step's point.
+        if trainer.global_step != self._recorded_at:
+            self._recorded_at = trainer.global_step
+            self._record(trainer, validation=False)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:

@@ -14,11 +14,12 @@ def sft_loss(
     ones. ``num_items_in_batch`` replaces the local Σ mask (TRL's name): under data parallelism the
     token count of all ranks divided by the world size, so that DDP's gradient average is the mean
     over every rank's tokens. An all-zero mask gives 0 (not NaN), so an empty batch cannot poison the
-    weights.
+    weights. A count of all ranks below 1 per rank (1 token on 2 ranks: 0.5) is kept as it is.
     """
     mask = mask.to(token_logps.dtype)
     tokens = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch)
-    return -(token_logps * mask).sum() / tokens.to(token_logps.dtype).clamp(min=1.0)
+    tokens = tokens.to(token_logps.dtype)
+    return -(token_logps * mask).sum() / torch.where(tokens > 0, tokens, 1.0)
 
 
 def token_accuracy(

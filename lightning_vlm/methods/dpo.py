@@ -26,6 +26,7 @@ from lightning_vlm.methods.common import (
 from lightning_vlm.methods.completions import CompletionRecorder, answer_samples
 from lightning_vlm.methods.preference_batch import encode_pairs, split_pairs
 from lightning_vlm.methods.reference_cache import ReferenceLogpCache, model_key, weights_fingerprint
+from lightning_vlm.methods.step_window import StepWindow
 from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_tokens
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
@@ -86,6 +87,7 @@ class DPO(FactoryOptimized):
         self.ref: ReferenceModel | None = ReferenceModel(vlm)
         self.generator = HFGenerator(vlm)
         self.bco_delta = RunningMean()  # BCO's δ: a buffer, so it is checkpointed
+        self.step_window = StepWindow()
         self.val_metrics = torch.nn.ModuleDict({self._slot(n): MeanMetric() for n in self.metric_names})
         self.val_answer_accuracy = MeanMetric()
         self.completion_recorder = CompletionRecorder()  # filled when LogCompletions asks
@@ -194,12 +196,16 @@ class DPO(FactoryOptimized):
             pairs = torch.tensor(float(len(rows)), device=loss.device)
             loss = loss * pairs / mean_normalizer(pairs)
             # Every metric is a mean over pairs too: the step's values over all ranks' pairs, as one
-            # process logs them (validation pools its epoch means through torchmetrics instead).
+            # process logs them. Validation pools its epoch means over pairs through torchmetrics
+            # instead; there a token_mean sft term is each batch's own token mean, so its epoch value
+            # depends on how rows fall into batches (a little, on N processes).
             metrics = pooled_means(metrics, len(rows))
         return loss, metrics
 
     def training_step(self, rows: list[dict], batch_idx: int) -> torch.Tensor:
         loss, metrics = self._loss(rows, train=True)
+        # Over the step's micro-batches too (accumulate_grad_batches), each weighing its pairs.
+        metrics = self.step_window.update(self.global_step, metrics, float(len(rows)))
         for name, value in metrics.items():
             show = name in ("loss", "rewards/accuracies")
             self.log(

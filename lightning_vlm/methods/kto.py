@@ -36,6 +36,7 @@ from lightning_vlm.methods.common import (
     message_text,
 )
 from lightning_vlm.methods.preference_batch import encode_pairs, split_pairs
+from lightning_vlm.methods.step_window import StepWindow
 from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_tokens
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
@@ -139,6 +140,7 @@ class KTO(FactoryOptimized):
         self.val_metrics = torch.nn.ModuleDict({n.replace("/", "__"): MeanMetric() for n in METRICS})
         self.val_answer_accuracy = MeanMetric()
         self.val_new_tokens: int | None = None
+        self.step_window = StepWindow()
 
     def _loss(
         self, rows: list[dict], train: bool
@@ -199,9 +201,18 @@ class KTO(FactoryOptimized):
         return logps, ref, kto_reference_point(gather_cat(kl))
 
     def training_step(self, rows: list[dict], batch_idx: int) -> torch.Tensor:
-        loss, metrics, _ = self._loss(rows, train=True)
+        loss, metrics, labels = self._loss(rows, train=True)
+        # Over the step's micro-batches too (accumulate_grad_batches), each mean weighing its items; the
+        # margin is then the step's chosen mean minus its rejected mean. A metric without items (a batch
+        # without one of the labels) is left out.
+        counts = int(labels.sum()), int((~labels).sum())
+        metrics = self.step_window.update(
+            self.global_step, metrics, {name: metric_weight(name, *counts) for name in metrics}
+        )
+        if "rewards/chosen" in metrics and "rewards/rejected" in metrics:
+            metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
         for name, value in metrics.items():
-            if not torch.isnan(value):  # a batch without one of the labels has no value for it
+            if not torch.isnan(value):
                 self.log(f"train/{name}", value, on_step=True, on_epoch=False, batch_size=len(rows),
                          prog_bar=name in ("loss", "rewards/accuracies"))  # fmt: skip
         return loss

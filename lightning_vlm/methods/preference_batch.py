@@ -81,7 +81,7 @@ def encode_pairs(
             for j in range(k * i, k * i + k):
                 completions[j] = completions[j][:room]
     inputs = vlm.encode_prompt_completion(repeat_samples(prompts, k, vlm.config), completions)
-    if one_vision_pass:
+    if one_vision_pass and k > 1:  # one answer a prompt: every image is unique already
         inputs = with_image_groups(inputs, repeated_groups(len(rows), k))
     return PairBatch(inputs=inputs, completion_mask=inputs["completion_mask"].bool(), num_pairs=len(rows))
 

@@ -16,6 +16,7 @@ from lightning_vlm.methods.common import (
     greedy_answer_hits,
 )
 from lightning_vlm.methods.completions import CompletionRecorder, answer_samples
+from lightning_vlm.methods.step_window import StepWindow
 from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_tokens
 from lightning_vlm.models.vlm import VLM
 from lightning_vlm.parallel.collectives import all_reduce_sum, mean_normalizer, world_size
@@ -43,6 +44,7 @@ class SFT(FactoryOptimized):
         self.vlm = vlm
         self.generator = HFGenerator(vlm)
         self.train_token_accuracy = MeanMetric()
+        self.step_window = StepWindow()
         self.val_loss = MeanMetric()
         self.val_token_accuracy = MeanMetric()
         self.val_answer_accuracy = MeanMetric()
@@ -69,12 +71,16 @@ class SFT(FactoryOptimized):
         # mean over ranks is the token mean of the whole batch. Every rank feeds the same accuracy, so
         # the epoch value torchmetrics syncs stays the token-weighted mean.
         sums = all_reduce_sum(torch.stack([loss.detach().float(), correct.float(), total.float()]))
-        self.train_token_accuracy(sums[1] / sums[2].clamp(min=1), weight=sums[2])
-        self.log("train/loss", sums[0] / world_size(), prog_bar=True, batch_size=len(rows))
-        self.log(
-            "train/token_accuracy", self.train_token_accuracy, on_step=True, on_epoch=True, prog_bar=True,
-            batch_size=len(rows),
-        )  # fmt: skip
+        accuracy = sums[1] / sums[2].clamp(min=1)
+        self.train_token_accuracy.update(accuracy, weight=sums[2])
+        # Over the step's micro-batches too (accumulate_grad_batches), weighted by their tokens.
+        step = self.step_window.update(
+            self.global_step, {"loss": sums[0] / world_size(), "token_accuracy": accuracy}, float(sums[2])
+        )
+        for name, value in step.items():
+            self.log(f"train/{name}", value, prog_bar=True, batch_size=len(rows))
+        self.log("train/token_accuracy_epoch", self.train_token_accuracy, on_step=False, on_epoch=True,
+                 batch_size=len(rows))  # fmt: skip
         return loss
 
     def validation_step(self, rows: list[dict], batch_idx: int) -> None:

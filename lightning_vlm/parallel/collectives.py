@@ -131,6 +131,9 @@ def pooled_means(
     if world_size() == 1:
         return {k: v.detach() for k, v in values.items()}
     n = torch.as_tensor(count, dtype=torch.float32, device=values[names[0]].device)
-    stacked = torch.stack([values[k].detach().to(torch.float32) * n for k in names] + [n])
+    # A rank without items adds nothing (its means are NaN, and NaN · 0 would spread to every rank).
+    stacked = torch.stack(
+        [torch.where(n > 0, values[k].detach().to(torch.float32) * n, 0.0) for k in names] + [n]
+    )
     sums = all_reduce_sum(stacked)
     return {k: sums[i] / sums[-1] for i, k in enumerate(names)}
