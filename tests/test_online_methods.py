@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from online_helpers import FixedGenerator, fit_steps, sample_rollouts, sgd, token_reward_fn
@@ -140,7 +142,7 @@ def test_index_chunks_split_unevenly_into_steps_and_micro_batches():
 
 @pytest.mark.parametrize(("prompts", "steps"), [(2, [[0, 1], [2, 3], [4], [5]]), (1, [[0], [1], [2]])])
 def test_a_batch_steps_per_generation_does_not_split_trains_each_completion_once(
-    tiny_path, rows, prompts, steps
+    tiny_path, rows, prompts, steps, caplog
 ):
     # An epoch's short last batch: 3 completions a prompt, 4 steps a generation. It used to stop the run.
     vlm = VLM(tiny_path("qwen2_5_vl"))
@@ -150,8 +152,11 @@ def test_a_batch_steps_per_generation_does_not_split_trains_each_completion_once
     module.loss = lambda batch, index, step, *rest: (
         seen.append(step.index.tolist()) or loss(batch, index, step, *rest)
     )
-    trainer = fit_steps(module, rows[:prompts], steps=len(steps))
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm.methods.online"):
+        trainer = fit_steps(module, rows[:prompts], steps=len(steps))
     assert trainer.global_step == len(steps) and seen == steps
+    said = [r.getMessage() for r in caplog.records if "steps_per_generation" in r.getMessage()]
+    assert len(said) == 1 and f"{3 * prompts} completions" in said[0], said
 
 
 def test_steps_per_generation_and_iterations_step_the_optimizer_and_report_updates(tiny_path, rows):

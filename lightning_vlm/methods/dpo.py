@@ -26,11 +26,17 @@ from lightning_vlm.methods.common import (
 from lightning_vlm.methods.completions import CompletionRecorder, answer_samples
 from lightning_vlm.methods.preference_batch import encode_pairs, split_pairs
 from lightning_vlm.methods.reference_cache import ReferenceLogpCache, model_key, weights_fingerprint
-from lightning_vlm.methods.step_window import StepWindow
+from lightning_vlm.methods.step_window import StepWindow, window_of
 from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_tokens
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
-from lightning_vlm.parallel.collectives import all_gather_object, gather_cat, mean_normalizer, pooled_means
+from lightning_vlm.parallel.collectives import (
+    all_gather_object,
+    gather_cat,
+    mean_normalizer,
+    pooled_means,
+    world_size,
+)
 from lightning_vlm.settings_check import check_positive
 
 
@@ -167,7 +173,8 @@ class DPO(FactoryOptimized):
         batch.completion_mask = batch.completion_mask.to(self.device)
         return batch
 
-    def _loss(self, rows: list[dict], train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _loss(self, rows: list[dict], train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
+        """This rank's loss, the metrics (in training over every rank's pairs) and how many pairs they cover."""
         hp = self.hparams
         batch = self._encode(rows)
         logps, _ = self.vlm.token_logps(batch.inputs, batch.completion_mask)
@@ -190,22 +197,25 @@ class DPO(FactoryOptimized):
             hp.sft_normalization, sft_tokens,
         )  # fmt: skip
         metrics["loss"] = loss.detach()
+        covered = float(len(rows))
         if train:
             # Every term is a mean over pairs: rescale this rank's mean so that DDP's gradient average
             # is the mean over all ranks' pairs, also when ranks hold different numbers of them.
             pairs = torch.tensor(float(len(rows)), device=loss.device)
-            loss = loss * pairs / mean_normalizer(pairs)
+            per_rank = mean_normalizer(pairs)
+            loss = loss * pairs / per_rank
+            covered = float(per_rank) * world_size()
             # Every metric is a mean over pairs too: the step's values over all ranks' pairs, as one
             # process logs them. Validation pools its epoch means over pairs through torchmetrics
             # instead; there a token_mean sft term is each batch's own token mean, so its epoch value
             # depends on how rows fall into batches (a little, on N processes).
             metrics = pooled_means(metrics, len(rows))
-        return loss, metrics
+        return loss, metrics, covered
 
     def training_step(self, rows: list[dict], batch_idx: int) -> torch.Tensor:
-        loss, metrics = self._loss(rows, train=True)
+        loss, metrics, pairs = self._loss(rows, train=True)
         # Over the step's micro-batches too (accumulate_grad_batches), each weighing its pairs.
-        metrics = self.step_window.update(self.global_step, metrics, float(len(rows)))
+        metrics = self.step_window.update(window_of(self, batch_idx), metrics, pairs)
         for name, value in metrics.items():
             show = name in ("loss", "rewards/accuracies")
             self.log(
@@ -214,7 +224,7 @@ class DPO(FactoryOptimized):
         return loss
 
     def validation_step(self, rows: list[dict], batch_idx: int) -> None:
-        _, metrics = self._loss(rows, train=False)
+        _, metrics, _ = self._loss(rows, train=False)
         for name, value in metrics.items():
             metric = self.val_metrics[self._slot(name)]
             metric.update(value, weight=len(rows))

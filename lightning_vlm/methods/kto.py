@@ -36,7 +36,7 @@ from lightning_vlm.methods.common import (
     message_text,
 )
 from lightning_vlm.methods.preference_batch import encode_pairs, split_pairs
-from lightning_vlm.methods.step_window import StepWindow
+from lightning_vlm.methods.step_window import StepWindow, window_of
 from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_tokens
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
@@ -207,7 +207,7 @@ class KTO(FactoryOptimized):
         # without one of the labels) is left out.
         counts = int(labels.sum()), int((~labels).sum())
         metrics = self.step_window.update(
-            self.global_step, metrics, {name: metric_weight(name, *counts) for name in metrics}
+            window_of(self, batch_idx), metrics, {name: metric_weight(name, *counts) for name in metrics}
         )
         if "rewards/chosen" in metrics and "rewards/rejected" in metrics:
             metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]

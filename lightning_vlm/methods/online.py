@@ -24,6 +24,7 @@ importance-sampling correction from its per-token ``Rollouts.logprobs``.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
@@ -52,6 +53,8 @@ from lightning_vlm.models.vlm import VLM
 from lightning_vlm.parallel.collectives import Shard
 from lightning_vlm.parallel.steps import check_clipping, check_micro_batches, no_backward_sync, root_forward
 from lightning_vlm.rewards.scoring import RewardScorer
+
+log = logging.getLogger(__name__)
 
 
 class OnlineRL(RolloutSampling):
@@ -108,6 +111,7 @@ class OnlineRL(RolloutSampling):
         self.val_rewards = torch.nn.ModuleDict({n: MeanMetric() for n in self.scorer.names})
         self.completion_recorder = CompletionRecorder()  # filled when LogCompletions asks
         self.missing_rewards = MissingRewardWarning()  # says when completions got no reward at all
+        self._uneven_steps_warned = False
 
     # ---- what subclasses decide ----------------------------------------------------------------------
     @property
@@ -173,6 +177,15 @@ class OnlineRL(RolloutSampling):
         # differ by one completion, and are never more than the smallest rank's completions, so every
         # rank runs the same optimizer steps.
         chunks = index_chunks(n, min(hp.steps_per_generation, *batch.shard.sizes), hp.micro_batch_size)
+        if n % hp.steps_per_generation and not self._uneven_steps_warned and self.global_rank == 0:
+            # Said once: expected at an epoch's end; on every batch, the settings do not split evenly.
+            self._uneven_steps_warned = True
+            log.warning(
+                f"{n} completions (prompts × num_generations) do not split into steps_per_generation="
+                f"{hp.steps_per_generation} equal optimizer steps: they train in {len(chunks)} steps of "
+                f"{sorted({len(torch.cat(c)) for c in chunks}, reverse=True)} completions (an epoch's "
+                "short last batch does this; if every batch does, change the batch size or the setting)"
+            )
         check_micro_batches(self, chunks)
         counts = global_counts(
             [self.step_counts(batch, torch.cat(c).to(self.device)) for c in chunks], batch.shard.world_size

@@ -52,9 +52,10 @@ class RolloutSampling(L.LightningModule):
             everyone_done,
         )  # fmt: skip
         counts.setdefault("generated", float(len(rollouts)))
-        # Counts of every rank together, in one all-reduce; rounds are the same on every rank.
+        # Counts of every rank together, in one all-reduce; rounds are the same on every rank. float32
+        # (MPS has none wider) holds whole numbers exactly up to 2^24, far above a step's counts.
         rounds = counts.pop("rounds", None)
-        totals = all_reduce_sum(torch.tensor(list(counts.values()), dtype=torch.float64, device=self.device))
+        totals = all_reduce_sum(torch.tensor(list(counts.values()), dtype=torch.float32, device=self.device))
         counts = dict(zip(counts, totals.tolist(), strict=True))
         self.completions_generated += int(counts["generated"])
         values = {}

@@ -16,7 +16,7 @@ from lightning_vlm.methods.common import (
     greedy_answer_hits,
 )
 from lightning_vlm.methods.completions import CompletionRecorder, answer_samples
-from lightning_vlm.methods.step_window import StepWindow
+from lightning_vlm.methods.step_window import StepWindow, window_of
 from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_tokens
 from lightning_vlm.models.vlm import VLM
 from lightning_vlm.parallel.collectives import all_reduce_sum, mean_normalizer, world_size
@@ -75,7 +75,9 @@ class SFT(FactoryOptimized):
         self.train_token_accuracy.update(accuracy, weight=sums[2])
         # Over the step's micro-batches too (accumulate_grad_batches), weighted by their tokens.
         step = self.step_window.update(
-            self.global_step, {"loss": sums[0] / world_size(), "token_accuracy": accuracy}, float(sums[2])
+            window_of(self, batch_idx),
+            {"loss": sums[0] / world_size(), "token_accuracy": accuracy},
+            float(sums[2]),
         )
         for name, value in step.items():
             self.log(f"train/{name}", value, prog_bar=True, batch_size=len(rows))

@@ -2,42 +2,50 @@
 
 Lightning sends a step's ``on_step`` values to the logger once, after the step's last micro-batch, and
 what it sends is the value that micro-batch logged. TRL averages its logged metrics over the
-accumulated micro-batches. :class:`StepWindow` keeps weighted sums over the micro-batches that share a
-``trainer.global_step`` (automatic optimisation steps once per window), so each micro-batch logs the
-mean so far and the logger gets the whole step's. Without accumulation the values pass unchanged.
-A checkpoint is written between optimizer steps, so a resumed run starts a fresh window.
+accumulated micro-batches. :class:`StepWindow` keeps weighted sums over the micro-batches of one
+accumulation window, so each micro-batch logs the mean so far and the logger gets the whole step's.
+Without accumulation the values pass unchanged. The window is named by :func:`window_of`, not by
+``global_step``: under DeepSpeed, which accumulates inside its engine, Lightning counts a step per
+micro-batch, yet still logs once per window.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 
+import lightning as L
 import torch
+
+
+def window_of(module: L.LightningModule, batch_idx: int) -> tuple[int, int]:
+    """The accumulation window of training batch ``batch_idx``: Lightning steps (and logs) after every
+    ``accumulate_grad_batches``-th batch of an epoch and after its last, so (epoch, batch_idx // k)."""
+    return module.current_epoch, batch_idx // module.trainer.accumulate_grad_batches
 
 
 class StepWindow:
     """Weighted means of one optimizer step's metrics over the micro-batches seen so far."""
 
     def __init__(self) -> None:
-        self._step: int | None = None
+        self._window: Hashable = None
         self._sums: dict[str, torch.Tensor] = {}
         self._weights: dict[str, float] = {}
 
     def update(
-        self, step: int, values: Mapping[str, torch.Tensor], weights: Mapping[str, float] | float
+        self, window: Hashable, values: Mapping[str, torch.Tensor], weights: Mapping[str, float] | float
     ) -> dict[str, torch.Tensor]:
         """Add one micro-batch's means ``values`` (each over ``weights[name]`` items, or ``weights`` for
-        all) to optimizer step ``step``; return the step's means so far. A metric with no items yet (no
-        weight, or NaN values only) is left out."""
-        if step != self._step:
-            self._step, self._sums, self._weights = step, {}, {}
+        all) to accumulation window ``window`` (:func:`window_of`); return the window's means so far. A
+        metric with no items yet (no weight, or NaN values only) is left out."""
+        if window != self._window:
+            self._window, self._sums, self._weights = window, {}, {}
         means = {}
         for name, value in values.items():
             weight = float(weights[name] if isinstance(weights, Mapping) else weights)
             value = value.detach()
             if weight > 0 and not torch.isnan(value):
-                # float64 sums: a long window of float32 means would drift in the last digits
-                self._sums[name] = self._sums.get(name, 0.0) + value.double() * weight
+                # float32 (MPS has no float64); a window holds a few micro-batches
+                self._sums[name] = self._sums.get(name, 0.0) + value.float() * weight
                 self._weights[name] = self._weights.get(name, 0.0) + weight
             if self._weights.get(name, 0.0) > 0:
                 means[name] = (self._sums[name] / self._weights[name]).to(value.dtype)
