@@ -202,8 +202,9 @@ def test_online_dpo_filters_on_the_rewards_it_picks_pairs_by(tiny_path, penalty,
     vlm, rows = VLM(tiny_path("qwen2_5_vl")), synthetic_rows("prompt", 2, seed=3)
     rollouts = sample_rollouts(vlm, rows, 2, max_new_tokens=4)
     rollouts.truncated = [True, False, True, False]
-    module = OnlineDPO(vlm, optimizer=sgd(1e-3), reward_funcs=[_constant_reward], missing_eos_penalty=penalty, num_candidates=2,
-                       max_completion_length=4, dynamic_sampling={"enabled": True, "max_num_gen_batches": 1})  # fmt: skip
+    module = OnlineDPO(vlm, optimizer=sgd(1e-3), reward_funcs=[_constant_reward], missing_eos_penalty=penalty,
+                       num_candidates=2, max_completion_length=4,
+                       dynamic_sampling={"enabled": True, "max_num_gen_batches": 1})  # fmt: skip
     module.generator = FixedGenerator(rollouts)
     metrics = fit_steps(module, rows).callback_metrics
     assert metrics["train/dynamic_sampling/groups_kept"] == kept

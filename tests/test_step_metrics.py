@@ -17,11 +17,13 @@ from lightning_vlm.training import train
 def test_the_window_weighs_micro_batches_and_restarts_at_the_next_step():
     window = StepWindow()
     assert window.update(0, {"a": torch.tensor(1.0)}, 2) == {"a": 1.0}
-    # (1·2 + 4·1) / 3; a NaN mean (no items of its kind) and a zero weight add nothing
-    step = window.update(0, {"a": torch.tensor(4.0), "b": torch.tensor(float("nan"))}, {"a": 1, "b": 3})
+    # (1·2 + 4·1) / 3; a mean over no items (NaN, weight 0) and a zero weight add nothing
+    step = window.update(0, {"a": torch.tensor(4.0), "b": torch.tensor(float("nan"))}, {"a": 1, "b": 0})
     assert step == {"a": 2.0}  # "b" has no items yet: left out
     assert window.update(0, {"a": torch.tensor(9.0)}, 0) == {"a": 2.0}
-    assert window.update(1, {"a": torch.tensor(5.0)}, 1) == {"a": 5.0}  # the next optimizer step
+    # a NaN over items (a diverged loss) is shown, not hidden
+    assert window.update(0, {"a": torch.tensor(float("nan"))}, 1)["a"].isnan()
+    assert window.update(1, {"a": torch.tensor(5.0)}, 1) == {"a": 5.0}  # the next window starts afresh
 
 
 def test_the_curves_take_a_step_s_value_after_its_last_micro_batch(tmp_path):

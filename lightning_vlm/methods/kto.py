@@ -206,13 +206,14 @@ class KTO(FactoryOptimized):
         # margin is then the step's chosen mean minus its rejected mean. A metric without items (a batch
         # without one of the labels) is left out.
         counts = int(labels.sum()), int((~labels).sum())
+        metrics.pop("rewards/margins")
         metrics = self.step_window.update(
             window_of(self, batch_idx), metrics, {name: metric_weight(name, *counts) for name in metrics}
         )
         if "rewards/chosen" in metrics and "rewards/rejected" in metrics:
             metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
         for name, value in metrics.items():
-            if not torch.isnan(value):
+            if not torch.isnan(value):  # a diverged value: KTO has never logged NaN
                 self.log(f"train/{name}", value, on_step=True, on_epoch=False, batch_size=len(rows),
                          prog_bar=name in ("loss", "rewards/accuracies"))  # fmt: skip
         return loss

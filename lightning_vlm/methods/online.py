@@ -6,9 +6,8 @@ from ``self.generator``, the rewards and advantages are computed once, and then
 optimisation; an epoch's short last batch that does not split evenly gets steps one completion apart,
 never more steps than completions; each step accumulates micro-batches of ``micro_batch_size``
 completions and divides by normalisers of the whole step, so micro-batch 1 × 4 == micro-batch 4 × 1).
-The rollouts live only
-inside the step and sampling is seeded from (``seed``, ``global_step``, rank), so a checkpoint taken
-between steps needs neither a buffer nor RNG state to continue the same run.
+The rollouts live only inside the step and sampling is seeded from (``seed``, ``global_step``, rank),
+so a checkpoint taken between steps needs neither a buffer nor RNG state to continue the same run.
 
 On several processes each rank generates for its own prompts; the step normalisers and TRL's
 whole-batch statistics are reduced over all ranks (``parallel.collectives``), so N processes with

@@ -36,14 +36,15 @@ class StepWindow:
     ) -> dict[str, torch.Tensor]:
         """Add one micro-batch's means ``values`` (each over ``weights[name]`` items, or ``weights`` for
         all) to accumulation window ``window`` (:func:`window_of`); return the window's means so far. A
-        metric with no items yet (no weight, or NaN values only) is left out."""
+        metric with no items yet (weight 0: its mean is NaN or meaningless) is left out; a NaN over
+        items (a diverged loss) stays NaN, so the logger shows it."""
         if window != self._window:
             self._window, self._sums, self._weights = window, {}, {}
         means = {}
         for name, value in values.items():
             weight = float(weights[name] if isinstance(weights, Mapping) else weights)
             value = value.detach()
-            if weight > 0 and not torch.isnan(value):
+            if weight > 0:
                 # float32 (MPS has no float64); a window holds a few micro-batches
                 self._sums[name] = self._sums.get(name, 0.0) + value.float() * weight
                 self._weights[name] = self._weights.get(name, 0.0) + weight
