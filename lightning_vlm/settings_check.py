@@ -102,6 +102,12 @@ def _check_online(method: Any, data: Any) -> None:
     if all(isinstance(v, int) and v >= 1 for v in (prompts, generations, steps)):
         # With dynamic sampling a step trains on one round of the pool, not on the whole batch.
         groups = dynamic.round_size(prompts)
+        if "num_candidates" in method and groups % steps:
+            # Online DPO trains on pairs (one per prompt); a pair never spans two steps.
+            raise ValueError(
+                f"method.steps_per_generation={steps} does not divide Online DPO's {groups} pairs a generation "
+                f"(one per prompt, data.batch_size={prompts}) into equal optimizer steps"
+            )
         if (groups * generations) % steps:
             source = (
                 f"⌈data.batch_size={prompts} / method.dynamic_sampling.max_num_gen_batches="

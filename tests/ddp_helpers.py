@@ -134,7 +134,10 @@ def write_variable_length_data(dirpath: Path, n: int = 32) -> Path:
         # In batches of 4 read in order, the first row ties; in every other batch the second one too.
         tie = i % 4 == 0 or i % 8 == 1
         prompt.append({"prompt": user, "images": [f"{i}.png"], "solution": sample.answer, "tie": tie})
-    for name, rows in (("sft", sft), ("preference", preference), ("prompt", prompt)):
+    # Row 3's image does not decode: skipped at load (data.on_bad_row=skip), on rank 1 (rows 1, 3).
+    (dirpath / "bad.png").write_bytes(b"not a png")
+    skip = [{**row, "images": ["bad.png"]} if i == 3 else row for i, row in enumerate(prompt)]
+    for name, rows in (("sft", sft), ("preference", preference), ("prompt", prompt), ("prompt_skip", skip)):
         (dirpath / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return dirpath
 
@@ -270,6 +273,17 @@ EQUIVALENCE: dict[str, list[str]] = {
         "method.top_entropy_quantile=0.5",
         "method.entropy_coef=0.05",
     ],  # fmt: skip
+    # The first global batch's row 3 is skipped at load: rank 1 holds 4 completions, rank 0 holds 8. Both
+    # must run as many forward passes (FSDP gathers weights in each): rank 1's 4 in passes of 1.
+    "grpo_skipped_row": [
+        "method=grpo",
+        *ONLINE,
+        "method.loss_type=dapo",
+        "method.num_iterations=2",
+        "data.train=${oc.env:DDP_TEST_DATA}/prompt_skip.jsonl",
+        "data.shuffle=false",
+        "data.on_bad_row=skip",
+    ],  # fmt: skip
     "rloo": ["method=rloo", *ONLINE, "method.normalize_advantages=true"],
     "online_dpo": ["method=online_dpo", *ONLINE, "method.num_generations=2"],
 }
@@ -277,7 +291,7 @@ ONE_PROCESS = ["data.batch_size=4"]
 TWO_PROCESSES = ["data.batch_size=2", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
 # FSDP on CPU (gloo): the same strategy class as on GPUs, each decoder layer and vision block a unit.
 TWO_PROCESSES_FSDP = ["data.batch_size=2", "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2"]
-FSDP_EQUIVALENCE = ("sft", "dpo", "grpo_dapo", "rloo", "online_dpo")
+FSDP_EQUIVALENCE = ("sft", "dpo", "grpo_dapo", "grpo_skipped_row", "rloo", "online_dpo")
 
 
 class ParityProbe(L.Callback):

@@ -66,6 +66,9 @@ TRAIN_CASES = [
     (["method=dapo", "method.steps_per_generation=3"], ValueError,
      r"does not divide the 32 completions a generation trains on \(⌈data\.batch_size=12 / "
      r"method\.dynamic_sampling\.max_num_gen_batches=3⌉ = 4 groups", NEW),
+    # 8 completions would split into 4 steps, but pairs do not split: 2 pairs cannot make 4 steps
+    (["method=online_dpo", "data.batch_size=2", "method.steps_per_generation=4"], ValueError,
+     r"method\.steps_per_generation=4 does not divide Online DPO's 2 pairs", NEW),
     (["method=grpo", "method.dynamic_sampling=true"], ValueError,
      r"method\.dynamic_sampling must be a mapping such as \{enabled: true\}", NEW),
     # online methods' constructors

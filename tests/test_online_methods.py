@@ -13,8 +13,9 @@ from lightning_vlm.losses.advantages import group_advantages
 from lightning_vlm.methods.grpo import GRPO
 from lightning_vlm.methods.online_dpo import OnlineDPO
 from lightning_vlm.methods.rloo import RLOO
-from lightning_vlm.methods.rollout_buffer import index_chunks
+from lightning_vlm.methods.step_layout import index_chunks, rank_chunks
 from lightning_vlm.models.vlm import VLM
+from lightning_vlm.parallel.collectives import Shard
 from lightning_vlm.rewards.scoring import RewardFunctionError
 
 
@@ -157,6 +158,33 @@ def test_a_batch_steps_per_generation_does_not_split_trains_each_completion_once
     assert trainer.global_step == len(steps) and seen == steps
     said = [r.getMessage() for r in caplog.records if "steps_per_generation" in r.getMessage()]
     assert len(said) == 1 and f"{3 * prompts} completions" in said[0], said
+
+
+@pytest.mark.parametrize(("prompts", "steps"), [(2, [[0, 1], [2, 3]]), (1, [[0, 1]])])
+def test_online_dpo_keeps_each_pair_in_one_step_when_a_batch_does_not_split(tiny_path, rows, prompts, steps):
+    # 2 or 1 pairs for 4 steps a generation: one pair a step. Steps of single completions split the
+    # pairs, and stopped the run.
+    vlm = VLM(tiny_path("qwen2_5_vl"))
+    module = OnlineDPO(vlm, optimizer=sgd(1e-3), reward_funcs=[token_reward_fn], num_candidates=2,
+                       steps_per_generation=4, max_completion_length=4)  # fmt: skip
+    seen, loss = [], module.loss
+    module.loss = lambda batch, index, step, *rest: (
+        seen.append(step.index.tolist()) or loss(batch, index, step, *rest)
+    )
+    trainer = fit_steps(module, rows[:prompts], steps=len(steps))
+    assert trainer.global_step == len(steps) and seen == steps
+
+
+def test_micro_batches_over_the_bound_are_reported_by_the_rank_holding_them(tiny_path, caplog):
+    # Ranks of 8 and 1 completions: one pass each, so rank 0's holds all 8 (micro_batch_size=2). Said once.
+    module = GRPO(VLM(tiny_path("qwen2_5_vl")), optimizer=sgd(), num_generations=2, micro_batch_size=2)
+    shard = Shard((8, 1), 0)
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm.methods.online"):
+        for _ in range(2):
+            module._warn_uneven_steps(shard, 1, rank_chunks(shard.sizes, 0, 1, 2))
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "rank 0: micro-batches of up to 8 completions" in said[0], said
+    assert "[8, 1]" in said[0] and "data.on_bad_row=skip" in said[0]
 
 
 def test_steps_per_generation_and_iterations_step_the_optimizer_and_report_updates(tiny_path, rows):

@@ -3,9 +3,10 @@
 One ``training_step`` is one generation: the prompt batch gets ``num_generations`` completions each
 from ``self.generator``, the rewards and advantages are computed once, and then
 ``num_iterations`` × ``steps_per_generation`` optimizer steps run over those rollouts (manual
-optimisation; an epoch's short last batch that does not split evenly gets steps one completion apart,
-never more steps than completions; each step accumulates micro-batches of ``micro_batch_size``
-completions and divides by normalisers of the whole step, so micro-batch 1 × 4 == micro-batch 4 × 1).
+optimisation; an epoch's short last batch that does not split evenly gets steps one completion (or
+Online DPO pair) apart, never more steps than completions; each step accumulates micro-batches of
+``micro_batch_size`` completions and divides by normalisers of the whole step, so micro-batch 1 × 4 ==
+micro-batch 4 × 1; ``step_layout`` gives every rank as many steps and micro-batches).
 The rollouts live only inside the step and sampling is seeded from (``seed``, ``global_step``, rank),
 so a checkpoint taken between steps needs neither a buffer nor RNG state to continue the same run.
 
@@ -45,8 +46,8 @@ from lightning_vlm.methods.rollout_buffer import (
     Step,
     check_rollout_counts,
     global_counts,
-    index_chunks,
 )
+from lightning_vlm.methods.step_layout import rank_chunks
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
 from lightning_vlm.parallel.collectives import Shard
@@ -110,7 +111,7 @@ class OnlineRL(RolloutSampling):
         self.val_rewards = torch.nn.ModuleDict({n: MeanMetric() for n in self.scorer.names})
         self.completion_recorder = CompletionRecorder()  # filled when LogCompletions asks
         self.missing_rewards = MissingRewardWarning()  # says when completions got no reward at all
-        self._uneven_steps_warned = False
+        self._uneven_steps_warned = self._large_micro_batch_warned = False
 
     # ---- what subclasses decide ----------------------------------------------------------------------
     @property
@@ -173,18 +174,13 @@ class OnlineRL(RolloutSampling):
         #    normalisers of its whole optimizer step over all ranks, so neither micro-batching nor the
         #    number of processes changes the update.
         # An epoch's short last batch may not split into steps_per_generation equal steps: its steps
-        # differ by one completion, and are never more than the smallest rank's completions, so every
-        # rank runs the same optimizer steps.
-        chunks = index_chunks(n, min(hp.steps_per_generation, *batch.shard.sizes), hp.micro_batch_size)
-        if n % hp.steps_per_generation and not self._uneven_steps_warned and self.global_rank == 0:
-            # Said once: expected at an epoch's end; on every batch, the settings do not split evenly.
-            self._uneven_steps_warned = True
-            log.warning(
-                f"{n} completions (prompts × num_generations) do not split into steps_per_generation="
-                f"{hp.steps_per_generation} equal optimizer steps: they train in {len(chunks)} steps of "
-                f"{sorted({len(torch.cat(c)) for c in chunks}, reverse=True)} completions (an epoch's "
-                "short last batch does this; if every batch does, change the batch size or the setting)"
-            )
+        # differ by one unit, and every rank runs the same optimizer steps, and the same micro-batches
+        # in each (step_layout: a rank short of rows must not leave the others in a collective).
+        unit = self.step_unit
+        chunks = rank_chunks(
+            batch.shard.sizes, batch.shard.rank, hp.steps_per_generation, hp.micro_batch_size, unit
+        )
+        self._warn_uneven_steps(batch.shard, unit, chunks)
         check_micro_batches(self, chunks)
         counts = global_counts(
             [self.step_counts(batch, torch.cat(c).to(self.device)) for c in chunks], batch.shard.world_size
@@ -236,6 +232,34 @@ class OnlineRL(RolloutSampling):
         stats["entropy"] = (entropy[:, w:] * mask).sum() / mask.sum().clamp(min=1)
         return loss, stats
 
+    @property
+    def step_unit(self) -> int:
+        """Completions that must share a micro-batch (and an optimizer step): 1; Online DPO's pair: 2."""
+        return 1
+
+    def _warn_uneven_steps(self, shard: Shard, unit: int, chunks: list[list[torch.Tensor]]) -> None:
+        # Each said once: expected at an epoch's end; on every batch, the settings do not split evenly.
+        hp, n = self.hparams, shard.sizes[shard.rank]
+        if (n // unit) % hp.steps_per_generation and not self._uneven_steps_warned and self.global_rank == 0:
+            self._uneven_steps_warned = True
+            log.warning(
+                f"{n} completions (prompts × num_generations) do not split into steps_per_generation="
+                f"{hp.steps_per_generation} equal optimizer steps: they train in {len(chunks)} steps of "
+                f"{sorted({len(torch.cat(c)) for c in chunks}, reverse=True)} completions (an epoch's "
+                "short last batch does this; if every batch does, change the batch size or the setting)"
+            )
+        size = hp.micro_batch_size
+        largest = max(len(m) for step in chunks for m in step)
+        if size is not None and largest > max(size, unit) and not self._large_micro_batch_warned:
+            # Any rank: it is the rank holding more completions than the others that says so.
+            self._large_micro_batch_warned = True
+            log.warning(
+                f"rank {shard.rank}: micro-batches of up to {largest} completions, over micro_batch_size="
+                f"{size}: the ranks hold {list(shard.sizes)} completions (rows skipped under "
+                "data.on_bad_row=skip shorten a rank's batch), and every rank must run as many forward "
+                "passes as the shortest one can"
+            )
+
     def step_counts(self, batch: RolloutBatch, index: torch.Tensor) -> dict[str, torch.Tensor]:
         """This rank's counts in one optimizer step that the loss normalises by (``Step.counts``)."""
         return {
@@ -249,8 +273,9 @@ class OnlineRL(RolloutSampling):
     def frozen_logps(self, batch: RolloutBatch, reference: bool) -> torch.Tensor:
         """Per-token log-probs [N, T] of the completions under the current (or reference) weights."""
         model = self.ref if reference else self.vlm
-        size = self.hparams.micro_batch_size or len(batch)
-        return batch.frozen_logps(model, self.vlm.config, size, self.sampling.temperature)
+        # As many forwards on every rank (step_layout), each of at most micro_batch_size completions.
+        passes = rank_chunks(batch.shard.sizes, batch.shard.rank, 1, self.hparams.micro_batch_size)[0]
+        return batch.frozen_logps(model, self.vlm.config, passes, self.sampling.temperature)
 
     # ---- metrics -------------------------------------------------------------------------------------------
     def log_rollouts(self, batch: RolloutBatch) -> None:

@@ -79,6 +79,10 @@ class OnlineDPO(OnlineRL):
         return True
 
     @property
+    def step_unit(self) -> int:
+        return 2  # a pair is one loss term: it never spans micro-batches or steps
+
+    @property
     def samples_per_prompt(self) -> int:
         return self.hparams.num_candidates
 

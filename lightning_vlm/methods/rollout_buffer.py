@@ -133,13 +133,15 @@ class RolloutBatch:
         return self.prompt_inputs["input_ids"].shape[1]
 
     @torch.no_grad()
-    def frozen_logps(self, model: Any, config: Any, size: int, temperature: float) -> torch.Tensor:
+    def frozen_logps(
+        self, model: Any, config: Any, passes: list[torch.Tensor], temperature: float
+    ) -> torch.Tensor:
         """Per-token log-probs [N, T] of the completions under ``model`` (the policy or its reference, a
-        ``token_logps`` owner), ``size`` completions per forward; frozen: no gradient."""
+        ``token_logps`` owner), one forward per index tensor of ``passes`` (consecutive, covering all N);
+        frozen: no gradient."""
         out = []
-        for start in range(0, len(self), size):
-            index = torch.arange(start, min(start + size, len(self)), device=self.completion_mask.device)
-            inputs = self.inputs(index, config)
+        for index in passes:
+            inputs = self.inputs(index.to(self.completion_mask.device), config)
             mask = inputs["completion_mask"].bool()
             logps, _ = model.token_logps(inputs, mask, temperature, mask_suppressed=True)
             out.append(logps[:, self.prompt_width :])
@@ -201,18 +203,3 @@ def reward_columns(rollouts: Rollouts) -> dict[str, list]:
     columns = {key: [row.get(key) for row in rows] for key in rows[0] if key not in ("prompt",)}
     columns.update(prompts=[row["prompt"] for row in rows], completion_ids=rollouts.completion_ids)
     return columns
-
-
-def index_chunks(n: int, parts: int, size: int | None) -> list[list[torch.Tensor]]:
-    """``n`` completions in ``parts`` consecutive optimizer-step chunks, each in micro-batches of ``size``.
-
-    When ``parts`` does not divide ``n`` (an epoch's short last batch) the first ``n % parts`` steps
-    take one completion more: every completion trains once, in steps as even as they can be (the
-    settings check refuses a full batch that does not split). Never more steps than completions.
-    """
-    parts = max(min(parts, n), 1)
-    chunks = []
-    for step in torch.arange(n).tensor_split(parts):
-        width = size or len(step)
-        chunks.append([step[i : i + width] for i in range(0, len(step), width)])
-    return chunks
