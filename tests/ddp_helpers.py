@@ -116,7 +116,7 @@ def write_variable_length_data(dirpath: Path, n: int = 32) -> Path:
 
     dirpath.mkdir(parents=True, exist_ok=True)
     words = ["it", "is", "surely", "very"]
-    sft, preference, prompt = [], [], []
+    sft, preference, prompt, mixed = [], [], [], []
     for i in range(n):
         sample = make_sample(0, i)
         sample.image.save(dirpath / f"{i}.png")
@@ -128,6 +128,9 @@ def write_variable_length_data(dirpath: Path, n: int = 32) -> Path:
             return [{"role": "assistant", "content": [{"type": "text", "text": text}]}]
 
         sft.append({"messages": user + said(answer), "images": [f"{i}.png"]})
+        # Odd rows text-only: read in order, rank 0 holds every image and rank 1 none.
+        text = [{"role": "user", "content": [{"type": "text", "text": sample.question}]}]
+        mixed.append(sft[-1] if i % 2 == 0 else {"messages": text + said(answer), "images": []})
         preference.append(
             {"prompt": user, "chosen": said(answer), "rejected": said(wrong), "images": [f"{i}.png"]}
         )
@@ -137,7 +140,8 @@ def write_variable_length_data(dirpath: Path, n: int = 32) -> Path:
     # Row 3's image does not decode: skipped at load (data.on_bad_row=skip), on rank 1 (rows 1, 3).
     (dirpath / "bad.png").write_bytes(b"not a png")
     skip = [{**row, "images": ["bad.png"]} if i == 3 else row for i, row in enumerate(prompt)]
-    for name, rows in (("sft", sft), ("preference", preference), ("prompt", prompt), ("prompt_skip", skip)):
+    files = {"sft": sft, "preference": preference, "prompt": prompt, "prompt_skip": skip, "sft_mixed": mixed}
+    for name, rows in files.items():
         (dirpath / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return dirpath
 
@@ -190,6 +194,17 @@ KTO_VALIDATION = [
 # ranks' tokens matches the one-process run (see write_variable_length_data).
 EQUIVALENCE: dict[str, list[str]] = {
     "sft": ["method=sft", "data.train=${oc.env:DDP_TEST_DATA}/sft.jsonl"],
+    # Text-only rows on rank 1, image rows on rank 0, the vision tower trained: rank 1 must still run it
+    # (FSDP gathers its weights, DDP reduces its gradients), in training and in the final validation's
+    # generate, as vision_every_rank makes it.
+    "sft_mixed": [
+        "method=sft",
+        "data.train=${oc.env:DDP_TEST_DATA}/sft_mixed.jsonl",
+        "data.val=${oc.env:DDP_TEST_DATA}/sft_mixed.jsonl",
+        "data.shuffle=false",
+        "model.freeze_vision_tower=false",
+        "trainer.limit_val_batches=1",
+    ],  # fmt: skip
     "dpo": ["method=dpo", "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl"],
     "mpo": ["method=mpo", "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl"],
     # TRL's sft term (mean over every chosen token of the batch): normalised by all ranks' tokens
@@ -291,7 +306,7 @@ ONE_PROCESS = ["data.batch_size=4"]
 TWO_PROCESSES = ["data.batch_size=2", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
 # FSDP on CPU (gloo): the same strategy class as on GPUs, each decoder layer and vision block a unit.
 TWO_PROCESSES_FSDP = ["data.batch_size=2", "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2"]
-FSDP_EQUIVALENCE = ("sft", "dpo", "grpo_dapo", "grpo_skipped_row", "rloo", "online_dpo")
+FSDP_EQUIVALENCE = ("sft", "sft_mixed", "dpo", "grpo_dapo", "grpo_skipped_row", "rloo", "online_dpo")
 
 
 class ParityProbe(L.Callback):

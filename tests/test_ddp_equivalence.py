@@ -6,7 +6,8 @@ its result with a one-process run made here:
   offline methods, the same logged step metrics), for every
   method (the online ones on rollouts that depend only on the prompt, so both see the same samples;
   GRPO with several loss types, GSPO, GDPO, the adaptive entropy bonus and dynamic sampling),
-  under DDP and, for SFT, DPO, GRPO, RLOO and Online DPO, under FSDP (torch's FSDP runs on CPU);
+  under DDP and, for SFT (also with text-only rows on one rank), DPO, GRPO (also with a row skipped at
+  load), RLOO and Online DPO, under FSDP (torch's FSDP runs on CPU);
 - each rank trains on a disjoint half of the epoch's rows, together the one-process rows, also
   across a mid-epoch resume, which continues bitwise exactly;
 - a two-process checkpoint resumed on one process continues the epoch, with a warning.
@@ -81,7 +82,16 @@ def _one_process(name: str, tmp_path) -> tuple[dict[str, torch.Tensor], dict]:
 ATOL = {"grpo_dr_grpo": 1e-4}
 # The offline methods' logged metrics (train/* each step, val/* for the validated KTO scenarios) describe the
 # whole batch, as TRL's gathered metrics do: rank 0 logs on two processes what one process logs.
-SAME_LOGGED_METRICS = ("sft", "dpo", "mpo", "mpo_token_mean", "dpo_precomputed", "kto", "kto_apo_zero")
+SAME_LOGGED_METRICS = (
+    "sft",
+    "sft_mixed",
+    "dpo",
+    "mpo",
+    "mpo_token_mean",
+    "dpo_precomputed",
+    "kto",
+    "kto_apo_zero",
+)
 
 
 @pytest.mark.parametrize(

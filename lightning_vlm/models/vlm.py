@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from . import encoding
+from . import encoding, vision_every_rank
 from .families import family_of
 from .image_tokens import NUM_IMAGES_KEY, check_image_tokens
 from .logprobs import scatter_to_tokens, scored_positions, selective_logps
@@ -99,6 +99,8 @@ class VLM(torch.nn.Module):
             for i in vision_special_ids(self.processor, self.tokenizer, self.config, self.family)
             if i not in keep and i < self.lm_head.out_features
         ]
+        # On several processes a text-only forward still runs the vision tower, as other ranks do.
+        vision_every_rank.attach(self, LANGUAGE_ATTRS)
 
     # ---- structure, across families and through PEFT -------------------------------------------------
     @property

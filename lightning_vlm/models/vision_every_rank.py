@@ -1,0 +1,145 @@
+"""Run the vision tower in every forward on every rank, even when a rank's batch has no images.
+
+On several processes, a rank whose rows are all text-only skips the vision tower while the others
+run it. Data that mixes text-only and image rows does this easily, and each strategy then breaks:
+- **FSDP** gathers each wrapped vision block's weights when it runs, and **DeepSpeed ZeRO-3** does
+  the same through its hooks. The ranks then make different collectives: the run hangs, or on gloo
+  fails with "Received data size doesn't match expected size".
+- **DDP** all-reduces the gradients of every trainable parameter. The vision tower (with
+  ``model.freeze_vision_tower=false``) or a projector outside it (LLaVA's ``multi_modal_projector``)
+  gets no gradient on a text-only rank, so that rank never reduces them and the others wait for good.
+
+The fix here: on a forward without images, the backbone first runs the vision tower (projector
+included) on one small blank image. It then adds empty slices of the features (exactly 0, never
+NaN) to the hidden states. Every rank runs the vision tower once per forward, before the decoder
+layers, and its parameters stay in the autograd graph, so their gradients are reduced everywhere.
+
+This covers training forwards and the prefill of ``generate`` alike (which encodes the images just
+before its first step, so the vision tower still runs before the decoder on every rank). Decode steps
+are left alone: no rank runs the vision tower there. Nothing runs on one process, nor under DDP
+without gradients (generation, frozen log-probs), nor on a model that neither shards nor trains its
+vision weights (a frozen reference copy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from PIL import Image
+
+from .encoding import encode_prompts
+from .vision_cache import image_features, unique_image_inputs
+
+if TYPE_CHECKING:
+    from .vlm import VLM
+
+# Keys that carry visual input to a backbone's forward (precomputed features count as images).
+VISUAL_KEYS = ("pixel_values", "pixel_values_videos", "mm_encoder_outputs")
+
+
+def gathers_weights(module: torch.nn.Module) -> bool:
+    """Whether running ``module`` makes collectives: it holds FSDP units or ZeRO-3 partitioned weights."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+        return True
+    return any(hasattr(p, "ds_id") for p in module.parameters())  # DeepSpeed ZeRO-3 tags its partitions
+
+
+def trains_vision(backbone: torch.nn.Module, language_attrs: Sequence[str]) -> bool:
+    """Whether a parameter of ``backbone`` outside its language model (tower, projector) is trained."""
+    language = next(getattr(backbone, a) for a in language_attrs if hasattr(backbone, a))
+    text = {id(p) for p in language.parameters()}
+    return any(p.requires_grad for p in backbone.parameters() if id(p) not in text)
+
+
+def has_visual_input(kwargs: dict[str, Any]) -> bool:
+    """Whether a backbone forward gets images: pixels, or features that ``generate`` (transformers >= 5)
+    encoded before its first step (an empty ``mm_encoder_outputs`` when the prompts have none)."""
+    for key in VISUAL_KEYS:
+        value = kwargs.get(key)
+        if isinstance(value, dict):
+            value = next((v for v in value.values() if v is not None), None)
+        if value is not None:
+            return True
+    return False
+
+
+def is_prefill(kwargs: dict[str, Any]) -> bool:
+    """A forward over whole sequences (training, or ``generate``'s first step), not a decode step."""
+    cache = kwargs.get("past_key_values")
+    return cache is None or cache.get_seq_length() == 0
+
+
+def needs_vision_pass(backbone: torch.nn.Module, language_attrs: Sequence[str]) -> bool:
+    """Whether other ranks could wait on this one's vision tower (see the module docstring)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    if gathers_weights(backbone):
+        return True
+    return torch.is_grad_enabled() and trains_vision(backbone, language_attrs)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for v in value or () for t in _tensors(v)]
+
+
+def zero_of(features: Any) -> torch.Tensor:
+    """Exactly 0 that depends on what the decoder takes from ``get_image_features``: the features
+    (``pooler_output``) and Qwen3-VL's deepstack levels. Not the tower's own last hidden state, which
+    some families never use (LLaVA reads an earlier layer): its weights get no gradient on a rank with
+    images either, and DDP must see the same parameters used on every rank."""
+    used = _tensors(features.pooler_output) + _tensors(getattr(features, "deepstack_features", None))
+    return sum(t.flatten()[:0].sum() for t in used)
+
+
+class VisionEveryRank:
+    """The backbone hooks: a forward without images runs the vision tower first where other ranks could
+    wait on it, and adds exactly 0 from its features to the hidden states.
+
+    A small picklable object (the processor and config, not the VLM): a deep copy of the model (the
+    reference) copies it cheaply, and the hooks check the module they run on.
+    """
+
+    def __init__(self, processor: Any, config: Any, language_attrs: Sequence[str]) -> None:
+        self.processor, self.config, self.language_attrs = processor, config, tuple(language_attrs)
+        self.blank: dict[str, torch.Tensor] = {}
+        self.pending: dict[int, torch.Tensor] = {}
+
+    def image_inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """One blank image's extras through the family's own processor (made once)."""
+        if not self.blank:
+            prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "."}]}]
+            image = Image.new("RGB", (56, 56), (255, 255, 255))
+            inputs = encode_prompts(self.processor, [prompt], [[image]])
+            self.blank.update(unique_image_inputs(inputs, torch.zeros(1, dtype=torch.long), self.config)[0])
+        return {k: v.to(device) for k, v in self.blank.items()}
+
+    def before(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if has_visual_input(kwargs) or not is_prefill(kwargs):
+            return
+        if not needs_vision_pass(module, self.language_attrs):
+            return
+        tokens = kwargs.get("input_ids")
+        device = (tokens if tokens is not None else kwargs["inputs_embeds"]).device
+        self.pending[id(module)] = zero_of(image_features(module, self.image_inputs(device)))
+
+    def after(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
+        zero = self.pending.pop(id(module), None)
+        if zero is None or not hasattr(output, "last_hidden_state"):
+            return None
+        output.last_hidden_state = output.last_hidden_state + zero.to(output.last_hidden_state.dtype)
+        return output
+
+
+def attach(vlm: VLM, language_attrs: Sequence[str]) -> None:
+    """Hook ``vlm``'s backbone so that a forward without images still runs its vision tower where other
+    ranks could wait on it. ``language_attrs``: the names the backbone's language model may have."""
+    hooks = VisionEveryRank(vlm.processor, vlm.config, language_attrs)
+    vlm.backbone.register_forward_pre_hook(hooks.before, with_kwargs=True)
+    vlm.backbone.register_forward_hook(hooks.after, with_kwargs=True)
