@@ -12,6 +12,7 @@ from transformers import DynamicCache
 
 from helpers import TowerCounter
 from lightning_vlm.data.synthetic import synthetic_rows
+from lightning_vlm.generation.hf import synced_gpus
 from lightning_vlm.methods.preference_batch import encode_pairs
 from lightning_vlm.models import vision_every_rank
 from lightning_vlm.models.tiny import TINY_FAMILIES
@@ -77,3 +78,45 @@ def test_one_process_never_needs_the_pass(tiny_path):
     frozen = VLM(tiny_path("qwen2_5_vl"))  # Qwen's merger sits inside the frozen tower
     assert not vision_every_rank.trains_vision(frozen.backbone, LANGUAGE_ATTRS)
     pickle.dumps(frozen)  # the hooks are a small picklable object, not closures over the VLM
+    assert not synced_gpus(vlm)  # generate: no rank to keep in step with
+
+
+def sft_inputs(vlm: VLM, with_images: bool) -> dict:
+    rows = synthetic_rows("sft", 2, seed=5)
+    if not with_images:
+        for row in rows:
+            row["images"] = []
+            for message in row["messages"]:
+                if isinstance(message["content"], list):
+                    message["content"] = [b for b in message["content"] if b["type"] != "image"]
+    return vlm.encode_sft(rows)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_the_blank_runs_where_a_rank_with_images_runs_the_tower(tiny_path, family, monkeypatch):
+    # ZeRO-3 gathers the text embeddings too: the blank must keep the image forward's order of
+    # embedding lookup, vision tower and first decoder layer, on both paths.
+    vlm = VLM(tiny_path(family))
+    events: list[str] = []
+    language = vlm.language_model
+    modules = {"embed": vlm.backbone.get_input_embeddings(), "vision": vlm.vision_tower,
+               "layer": next(m for m in language.modules() if isinstance(m, torch.nn.ModuleList))[0]}  # fmt: skip
+    for name, module in modules.items():
+        module.register_forward_pre_hook(lambda *_, name=name: events.append(name))
+
+    def order(run) -> list[str]:
+        events.clear()
+        with torch.no_grad():
+            run()
+        return [e for i, e in enumerate(events) if i == 0 or events[i - 1] != e]
+
+    monkeypatch.setattr(vision_every_rank, "needs_vision_pass", lambda *args: True)
+    # SFT/KTO: the backbone gets pixels and looks up the embeddings first
+    direct = order(lambda: vlm.hidden_states(sft_inputs(vlm, True)))
+    assert order(lambda: vlm.hidden_states(sft_inputs(vlm, False))) == direct
+    assert direct.index("vision") < direct.index("layer")
+    # DPO/GRPO (and generate): the images are encoded before the backbone
+    pairs = encode_pairs(vlm, synthetic_rows("preference", 2, seed=5))
+    shared = order(lambda: vlm.hidden_states(pairs.inputs))
+    assert order(lambda: vlm.hidden_states(text_only_pairs(vlm).inputs)) == shared
+    assert shared.index("vision") < shared.index("embed")

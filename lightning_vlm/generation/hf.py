@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from transformers import GenerationConfig
 
 from lightning_vlm.generation.base import (
@@ -15,7 +16,20 @@ from lightning_vlm.generation.base import (
     cut_at_eos,
     torch_seeded,
 )
+from lightning_vlm.models.vision_every_rank import gathers_weights
 from lightning_vlm.models.vlm import PRIVATE_KEYS, VLM
+
+
+def synced_gpus(vlm: VLM) -> bool:
+    """Whether every rank must keep stepping ``generate`` until all ranks are done: their weights are
+    gathered in each forward. transformers sees FSDP itself, but ZeRO-3 only through a global config
+    that Lightning's DeepSpeed strategy never creates, so a rank done early would leave the others."""
+    return (
+        dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
+        and gathers_weights(vlm.model)
+    )
 
 
 class HFGenerator(OwnWeightsGenerator):
@@ -107,7 +121,9 @@ class HFGenerator(OwnWeightsGenerator):
         vlm.model.eval()
         try:
             with torch.no_grad():
-                out = vlm.model.generate(**model_inputs, generation_config=config)
+                out = vlm.model.generate(
+                    **model_inputs, generation_config=config, synced_gpus=synced_gpus(vlm)
+                )
         finally:
             vlm.model.train(was_training)
         new = out.sequences[:, model_inputs["input_ids"].shape[1] :]

@@ -121,7 +121,12 @@ def shared_hidden_states(vlm, inputs: dict, model: torch.nn.Module) -> torch.Ten
     backbone = model.model
     kwargs = vlm.model_inputs(inputs)
     if "pixel_values" not in inputs or not any(num_images_per_sample(inputs, vlm.config)):
-        return backbone(**kwargs, use_cache=False).last_hidden_state
+        # No features, as generate passes for prompts without images: on several processes the blank
+        # vision pass then runs where a rank with images encodes them (models/vision_every_rank.py).
+        kwargs = {
+            k: v for k, v in kwargs.items() if k not in ("pixel_values", *family_of(vlm.config).image_keys)
+        }
+        return backbone(**kwargs, mm_encoder_outputs={}, use_cache=False).last_hidden_state
     family = family_of(vlm.config)
     groups = inputs[IMAGE_GROUPS_KEY]
     unique, index = unique_image_inputs(inputs, groups.cpu(), vlm.config)

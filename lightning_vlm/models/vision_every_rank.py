@@ -9,10 +9,12 @@ run it. Data that mixes text-only and image rows does this easily, and each stra
   ``model.freeze_vision_tower=false``) or a projector outside it (LLaVA's ``multi_modal_projector``)
   gets no gradient on a text-only rank, so that rank never reduces them and the others wait for good.
 
-The fix here: on a forward without images, the backbone first runs the vision tower (projector
-included) on one small blank image. It then adds empty slices of the features (exactly 0, never
-NaN) to the hidden states. Every rank runs the vision tower once per forward, before the decoder
-layers, and its parameters stay in the autograd graph, so their gradients are reduced everywhere.
+The fix here: on a forward without images, the vision tower (projector included) runs on one small
+blank image, at the point where a rank with images runs it (before the decoder layers; see
+``VisionEveryRank`` for before or after the text embeddings). Empty slices of its features (exactly
+0, never NaN) are added to the backbone's hidden states. Every rank then runs the vision tower once
+per forward, in the same order, and its parameters stay in the autograd graph, so their gradients
+are reduced everywhere.
 
 This covers training forwards and the prefill of ``generate`` alike (which encodes the images just
 before its first step, so the vision tower still runs before the decoder on every rank). Decode steps
@@ -99,8 +101,15 @@ def zero_of(features: Any) -> torch.Tensor:
 
 
 class VisionEveryRank:
-    """The backbone hooks: a forward without images runs the vision tower first where other ranks could
-    wait on it, and adds exactly 0 from its features to the hidden states.
+    """The hooks: a forward without images runs the vision tower where other ranks could wait on it,
+    at the point where a rank with images runs it, and adds exactly 0 from its features.
+
+    Where is that point? When the images were encoded before the backbone (``generate``, and
+    ``vision_cache.shared_hidden_states``), the backbone receives ``mm_encoder_outputs`` (``{}``
+    without images) and the vision tower ran before the text embeddings: the blank runs in the
+    backbone's pre-hook. When the backbone gets pixels itself (SFT, KTO), every family looks up the
+    text embeddings first and runs the tower next, before its language model: the blank runs in the
+    language model's pre-hook. ZeRO-3 gathers the embeddings too, so the order matters there.
 
     A small picklable object (the processor and config, not the VLM): a deep copy of the model (the
     reference) copies it cheaply, and the hooks check the module they run on.
@@ -109,7 +118,8 @@ class VisionEveryRank:
     def __init__(self, processor: Any, config: Any, language_attrs: Sequence[str]) -> None:
         self.processor, self.config, self.language_attrs = processor, config, tuple(language_attrs)
         self.blank: dict[str, torch.Tensor] = {}
-        self.pending: dict[int, torch.Tensor] = {}
+        self.pending: dict[int, torch.Tensor] = {}  # backbone id -> the zero to add to its output
+        self.deferred: dict[int, tuple[torch.nn.Module, torch.device]] = {}  # language model id -> backbone
 
     def image_inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
         """One blank image's extras through the family's own processor (made once)."""
@@ -120,26 +130,47 @@ class VisionEveryRank:
             self.blank.update(unique_image_inputs(inputs, torch.zeros(1, dtype=torch.long), self.config)[0])
         return {k: v.to(device) for k, v in self.blank.items()}
 
+    def language_model(self, backbone: torch.nn.Module) -> torch.nn.Module:
+        return next(getattr(backbone, a) for a in self.language_attrs if hasattr(backbone, a))
+
+    def run_blank(self, backbone: torch.nn.Module, device: torch.device) -> None:
+        self.pending[id(backbone)] = zero_of(image_features(backbone, self.image_inputs(device)))
+
     def before(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        # Left over only if a forward raised between the hooks: the stale graph would block deepcopy.
+        self.pending.pop(id(module), None)
+        self.deferred.pop(id(self.language_model(module)), None)
         if has_visual_input(kwargs) or not is_prefill(kwargs):
             return
         if not needs_vision_pass(module, self.language_attrs):
             return
         tokens = kwargs.get("input_ids")
         device = (tokens if tokens is not None else kwargs["inputs_embeds"]).device
-        self.pending[id(module)] = zero_of(image_features(module, self.image_inputs(device)))
+        if kwargs.get("mm_encoder_outputs") is not None:  # {}: encoded before the backbone, none found
+            self.run_blank(module, device)
+        else:
+            self.deferred[id(self.language_model(module))] = (module, device)
+
+    def before_language_model(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        deferred = self.deferred.pop(id(module), None)
+        if deferred is not None:
+            self.run_blank(*deferred)
 
     def after(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
         zero = self.pending.pop(id(module), None)
-        if zero is None or not hasattr(output, "last_hidden_state"):
+        if zero is None:
             return None
-        output.last_hidden_state = output.last_hidden_state + zero.to(output.last_hidden_state.dtype)
+        if isinstance(output, tuple):  # return_dict=False
+            return (output[0] + zero.to(output[0]), *output[1:])
+        output.last_hidden_state = output.last_hidden_state + zero.to(output.last_hidden_state)
         return output
 
 
 def attach(vlm: VLM, language_attrs: Sequence[str]) -> None:
-    """Hook ``vlm``'s backbone so that a forward without images still runs its vision tower where other
-    ranks could wait on it. ``language_attrs``: the names the backbone's language model may have."""
+    """Hook ``vlm``'s backbone (and its language model) so that a forward without images still runs the
+    vision tower where other ranks could wait on it. ``language_attrs``: the language model's names."""
     hooks = VisionEveryRank(vlm.processor, vlm.config, language_attrs)
-    vlm.backbone.register_forward_pre_hook(hooks.before, with_kwargs=True)
-    vlm.backbone.register_forward_hook(hooks.after, with_kwargs=True)
+    backbone = vlm.backbone
+    backbone.register_forward_pre_hook(hooks.before, with_kwargs=True)
+    backbone.register_forward_hook(hooks.after, with_kwargs=True)
+    hooks.language_model(backbone).register_forward_pre_hook(hooks.before_language_model, with_kwargs=True)
