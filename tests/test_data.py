@@ -163,6 +163,19 @@ def test_local_sources(folder, kind, shape):
         assert dm.val_dataloader() == []
 
 
+@pytest.mark.parametrize("kind", ["jsonl", "json"])
+def test_answers_that_look_like_json_stay_the_strings_written(folder, kind):
+    # A user turn of blocks and an assistant string make the content column change type: datasets then
+    # stores it as JSON text and read "4" back as the number 4 (the row was refused), a box as a list.
+    answers = ["4", "[0.1, 0.2, 0.5, 0.6]", "true", "null", "red"]
+    rows = [{"messages": user(IMG, text("Q?")) + [{"role": "assistant", "content": a}], "images": ["img/red.png"]}
+            for a in answers]  # fmt: skip
+    dm = SFTDataModule(train=write(folder, kind, rows), batch_size=8, shuffle=False, val_fraction=None)
+    dm.setup("fit")
+    assert [row["messages"][1]["content"] for row in all_rows(dm)] == [[text(a)] for a in answers]
+    assert [pixel(row["images"][0]) for row in all_rows(dm)] == [(255, 0, 0)] * 5
+
+
 def test_plain_strings_become_typed_blocks_with_images_first(folder):
     two = ["img/red.png", "img/blue.png"]
     out = normalize_row(

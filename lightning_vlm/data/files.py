@@ -147,3 +147,30 @@ def load_file(path: Path) -> Any:
             root = _innermost(e)
             problem = f"could not be read as {builder} data: {type(root).__name__}: {root}"
         raise SourceError(f"{path}: {problem}") from e
+
+
+def has_json_feature(feature: Any) -> bool:
+    """Whether ``datasets`` stored some field of ``feature`` as JSON text: what its JSON loader does
+    with a field whose type changes between rows (a message's content: a list of blocks in the user
+    turn, a string in the assistant's)."""
+    import datasets
+
+    if isinstance(feature, datasets.Json):
+        return True
+    if isinstance(feature, dict):
+        return any(has_json_feature(f) for f in feature.values())
+    inner = getattr(feature, "feature", None)
+    return inner is not None and has_json_feature(inner)
+
+
+def read_json_rows(path: Path) -> list[dict]:
+    """The rows of a JSON Lines file (or a JSON list of row objects), exactly as Python's json reads them.
+
+    For files whose fields change type between rows: ``datasets`` (5.2) keeps a string that happens to
+    be valid JSON as JSON text, so an answer "4" comes back as the number 4 and "[0.1, 0.2, 0.5, 0.6]"
+    as a list. Call ``json_problem`` first: this assumes a readable file.
+    """
+    text = path.read_bytes().decode("utf-8").removeprefix("\ufeff")
+    if text.lstrip().startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]

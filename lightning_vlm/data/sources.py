@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_vlm.data import grounding, vqa
-from lightning_vlm.data.files import FILE_BUILDERS, SourceError, load_file
+from lightning_vlm.data.files import FILE_BUILDERS, SourceError, has_json_feature, load_file, read_json_rows
 from lightning_vlm.data.synthetic import QUESTIONS, ROW_BUILDERS, build_row, make_sample
 
 SPEC_KEYS: tuple[str, ...] = ("path", "subset", "split", "num_samples", "seed", "kinds", "image_size")
@@ -142,7 +142,12 @@ def _from_disk(folder: Path, split: str) -> Source:
 
 def _from_file(path: Path) -> Source:
     # files.load_file turns the loaders' errors into ones naming the file, line and byte offset.
-    return Source(DatasetRows(load_file(path)), str(path), path.parent)
+    dataset = load_file(path)
+    if has_json_feature(dataset.features):
+        # Mixed-type fields come back from datasets' JSON text with strings such as "4" turned into
+        # numbers (files.read_json_rows): read the rows as written instead (held in memory).
+        return Source(read_json_rows(path), str(path), path.parent)
+    return Source(DatasetRows(dataset), str(path), path.parent)
 
 
 def _from_hub(name: str, subset: str | None, split: str) -> Source:
