@@ -141,6 +141,15 @@ def test_index_chunks_split_unevenly_into_steps_and_micro_batches():
     assert ids(index_chunks(2, 4, None)) == [[[0]], [[1]]]  # never more steps than completions
 
 
+def record_steps(module) -> list[list[int]]:
+    """The completions of each optimizer step the module's loss is called for, filled as it trains."""
+    seen, loss = [], module.loss
+    module.loss = lambda batch, index, step, *rest: (
+        seen.append(step.index.tolist()) or loss(batch, index, step, *rest)
+    )
+    return seen
+
+
 @pytest.mark.parametrize(("prompts", "steps"), [(2, [[0, 1], [2, 3], [4], [5]]), (1, [[0], [1], [2]])])
 def test_a_batch_steps_per_generation_does_not_split_trains_each_completion_once(
     tiny_path, rows, prompts, steps, caplog
@@ -149,10 +158,7 @@ def test_a_batch_steps_per_generation_does_not_split_trains_each_completion_once
     vlm = VLM(tiny_path("qwen2_5_vl"))
     module = GRPO(vlm, optimizer=sgd(1e-3), reward_funcs=[token_reward_fn], num_generations=3,
                   steps_per_generation=4, max_completion_length=4)  # fmt: skip
-    seen, loss = [], module.loss
-    module.loss = lambda batch, index, step, *rest: (
-        seen.append(step.index.tolist()) or loss(batch, index, step, *rest)
-    )
+    seen = record_steps(module)
     with caplog.at_level(logging.WARNING, logger="lightning_vlm.methods.online"):
         trainer = fit_steps(module, rows[:prompts], steps=len(steps))
     assert trainer.global_step == len(steps) and seen == steps
@@ -167,10 +173,7 @@ def test_online_dpo_keeps_each_pair_in_one_step_when_a_batch_does_not_split(tiny
     vlm = VLM(tiny_path("qwen2_5_vl"))
     module = OnlineDPO(vlm, optimizer=sgd(1e-3), reward_funcs=[token_reward_fn], num_candidates=2,
                        steps_per_generation=4, max_completion_length=4)  # fmt: skip
-    seen, loss = [], module.loss
-    module.loss = lambda batch, index, step, *rest: (
-        seen.append(step.index.tolist()) or loss(batch, index, step, *rest)
-    )
+    seen = record_steps(module)
     trainer = fit_steps(module, rows[:prompts], steps=len(steps))
     assert trainer.global_step == len(steps) and seen == steps
 

@@ -6,7 +6,6 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from transformers import GenerationConfig
 
 from lightning_vlm.generation.base import (
@@ -18,18 +17,14 @@ from lightning_vlm.generation.base import (
 )
 from lightning_vlm.models.vision_every_rank import gathers_weights
 from lightning_vlm.models.vlm import PRIVATE_KEYS, VLM
+from lightning_vlm.parallel.collectives import world_size
 
 
 def synced_gpus(vlm: VLM) -> bool:
     """Whether every rank must keep stepping ``generate`` until all ranks are done: their weights are
     gathered in each forward. transformers sees FSDP itself, but ZeRO-3 only through a global config
     that Lightning's DeepSpeed strategy never creates, so a rank done early would leave the others."""
-    return (
-        dist.is_available()
-        and dist.is_initialized()
-        and dist.get_world_size() > 1
-        and gathers_weights(vlm.model)
-    )
+    return world_size() > 1 and gathers_weights(vlm.model)
 
 
 class HFGenerator(OwnWeightsGenerator):

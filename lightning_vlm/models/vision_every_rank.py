@@ -29,9 +29,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from PIL import Image
 
+from ..parallel.collectives import world_size
 from .encoding import encode_prompts
 from .vision_cache import image_features, unique_image_inputs
 
@@ -51,10 +51,14 @@ def gathers_weights(module: torch.nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in module.parameters())  # DeepSpeed ZeRO-3 tags its partitions
 
 
+def language_model_of(backbone: torch.nn.Module, language_attrs: Sequence[str]) -> torch.nn.Module:
+    """The backbone's language model: its first attribute named in ``language_attrs``."""
+    return next(getattr(backbone, a) for a in language_attrs if hasattr(backbone, a))
+
+
 def trains_vision(backbone: torch.nn.Module, language_attrs: Sequence[str]) -> bool:
     """Whether a parameter of ``backbone`` outside its language model (tower, projector) is trained."""
-    language = next(getattr(backbone, a) for a in language_attrs if hasattr(backbone, a))
-    text = {id(p) for p in language.parameters()}
+    text = {id(p) for p in language_model_of(backbone, language_attrs).parameters()}
     return any(p.requires_grad for p in backbone.parameters() if id(p) not in text)
 
 
@@ -78,7 +82,7 @@ def is_prefill(kwargs: dict[str, Any]) -> bool:
 
 def needs_vision_pass(backbone: torch.nn.Module, language_attrs: Sequence[str]) -> bool:
     """Whether other ranks could wait on this one's vision tower (see the module docstring)."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if world_size() == 1:
         return False
     if gathers_weights(backbone):
         return True
@@ -131,7 +135,7 @@ class VisionEveryRank:
         return {k: v.to(device) for k, v in self.blank.items()}
 
     def language_model(self, backbone: torch.nn.Module) -> torch.nn.Module:
-        return next(getattr(backbone, a) for a in self.language_attrs if hasattr(backbone, a))
+        return language_model_of(backbone, self.language_attrs)
 
     def run_blank(self, backbone: torch.nn.Module, device: torch.device) -> None:
         self.pending[id(backbone)] = zero_of(image_features(backbone, self.image_inputs(device)))
