@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
+import zipfile
 
 import datasets
 import numpy as np
@@ -174,6 +176,50 @@ def test_answers_that_look_like_json_stay_the_strings_written(folder, kind):
     dm.setup("fit")
     assert [row["messages"][1]["content"] for row in all_rows(dm)] == [[text(a)] for a in answers]
     assert [pixel(row["images"][0]) for row in all_rows(dm)] == [(255, 0, 0)] * 5
+
+
+@pytest.mark.parametrize("train", ["train.jsonl", "train.jsonl.gz"])
+def test_a_folder_of_json_splits_keeps_the_strings_written(folder, train):
+    # The same datasets behaviour through a plain folder of split files (their splits inferred from the
+    # names), plain or compressed.
+    answers = ["4", "[0.1, 0.2, 0.5, 0.6]", "true", "null", "red"]
+    rows = [{"messages": user(IMG, text("Q?")) + [{"role": "assistant", "content": a}], "images": ["../img/red.png"]}
+            for a in answers]  # fmt: skip
+    (folder / "data").mkdir()
+    lines = "\n".join(json.dumps(r) for r in rows).encode()
+    (folder / "data" / train).write_bytes(gzip.compress(lines) if train.endswith(".gz") else lines)
+    (folder / "data" / "validation.json").write_text(json.dumps(rows[::-1]))
+    dm = SFTDataModule(train=str(folder / "data"), val=str(folder / "data"), batch_size=8, shuffle=False)
+    dm.setup("fit")
+    assert [row["messages"][1]["content"] for row in all_rows(dm)] == [[text(a)] for a in answers]
+    val = [dm.val_dataset[i]["messages"][1]["content"] for i in range(len(dm.val_dataset))]
+    assert val == [[text(a)] for a in answers[::-1]]
+
+
+def test_a_folder_datasets_reads_alone_says_its_strings_may_change(folder, caplog):
+    # A zip archive stays with datasets: an answer that looks like JSON may come back changed, and the
+    # log says so (here "4" then fails as a number, naming the row).
+    rows = [{"messages": user(text("Q?")) + [{"role": "assistant", "content": a}]} for a in ["red", "4"]]
+    (folder / "data").mkdir()
+    with zipfile.ZipFile(folder / "data" / "train.zip", "w") as z:
+        z.writestr("train.jsonl", "\n".join(json.dumps(r) for r in rows))
+    dm = SFTDataModule(train=str(folder / "data"), batch_size=8, shuffle=False, val_fraction=None)
+    with pytest.raises(RowError, match=r"row 1, column 'messages'"):
+        dm.setup("fit")
+        all_rows(dm)
+    assert "strings that look like JSON" in caplog.text and str(folder / "data") in caplog.text
+
+
+def test_a_hub_dataset_with_json_text_fields_is_warned_about(folder, monkeypatch, caplog):
+    # No Hub here: the loader is handed the rows datasets makes of such a file, as it would from the Hub.
+    from lightning_vlm.data import sources
+
+    rows = [{"messages": user(text("Q?")) + [{"role": "assistant", "content": "red"}]}]
+    (folder / "t.jsonl").write_text(json.dumps(rows[0]))
+    arrow = datasets.load_dataset("json", data_files=str(folder / "t.jsonl"), split="train")
+    monkeypatch.setattr(sources, "_load_dataset", lambda name, subset, split: arrow)
+    assert len(sources.load_source("org/vqa", "sft").rows) == 1
+    assert "org/vqa [train]: some field changes type" in caplog.text
 
 
 def test_plain_strings_become_typed_blocks_with_images_first(folder):

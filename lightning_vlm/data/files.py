@@ -11,8 +11,11 @@ raised before training starts.
 
 from __future__ import annotations
 
+import bz2
 import codecs
+import gzip
 import json
+import lzma
 from pathlib import Path
 from typing import Any
 
@@ -163,14 +166,28 @@ def has_json_feature(feature: Any) -> bool:
     return inner is not None and has_json_feature(inner)
 
 
+# Compressions of JSON files that datasets reads and the standard library undoes.
+_DECOMPRESS = {".gz": gzip.decompress, ".bz2": bz2.decompress, ".xz": lzma.decompress}
+
+
+def json_rows_readable(path: Path) -> bool:
+    """Whether :func:`read_json_rows` reads ``path``: a .json/.jsonl file, maybe gzip/bz2/xz-compressed."""
+    suffixes = [s.lower() for s in path.suffixes[-2:]]
+    if suffixes and suffixes[-1] in _DECOMPRESS:
+        suffixes.pop()
+    return bool(suffixes) and suffixes[-1] in (".json", ".jsonl")
+
+
 def read_json_rows(path: Path) -> list[dict]:
     """The rows of a JSON Lines file (or a JSON list of row objects), exactly as Python's json reads them.
 
     For files whose fields change type between rows: ``datasets`` (5.2) keeps a string that happens to
     be valid JSON as JSON text, so an answer "4" comes back as the number 4 and "[0.1, 0.2, 0.5, 0.6]"
-    as a list. Call ``json_problem`` first: this assumes a readable file.
+    as a list. Call ``json_problem`` first (or load it with ``datasets``): this assumes a readable file.
     """
-    text = path.read_bytes().decode("utf-8").removeprefix("\ufeff")
+    data = path.read_bytes()
+    decompress = _DECOMPRESS.get(path.suffix.lower())
+    text = (decompress(data) if decompress else data).decode("utf-8").removeprefix("\ufeff")
     if text.lstrip().startswith("["):
         return json.loads(text)
     return [json.loads(line) for line in text.splitlines() if line.strip()]

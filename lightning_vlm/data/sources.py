@@ -8,16 +8,25 @@ images stay on disk (or encoded in Arrow) until a batch needs them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lightning_vlm.data import grounding, vqa
-from lightning_vlm.data.files import FILE_BUILDERS, SourceError, has_json_feature, load_file, read_json_rows
+from lightning_vlm.data.files import (
+    FILE_BUILDERS,
+    SourceError,
+    has_json_feature,
+    json_rows_readable,
+    load_file,
+    read_json_rows,
+)
 from lightning_vlm.data.synthetic import QUESTIONS, ROW_BUILDERS, build_row, make_sample
 
 SPEC_KEYS: tuple[str, ...] = ("path", "subset", "split", "num_samples", "seed", "kinds", "image_size")
+logger = logging.getLogger("lightning_vlm.data")
 SYNTHETIC_DEFAULTS: dict[str, Any] = {"num_samples": 256, "seed": 0, "kinds": ("color",), "image_size": 112}
 
 
@@ -150,12 +159,13 @@ def _from_file(path: Path) -> Source:
     return Source(DatasetRows(dataset), str(path), path.parent)
 
 
-def _from_hub(name: str, subset: str | None, split: str) -> Source:
+def _load_dataset(name: str, subset: str | None, split: str) -> Any:
+    """``datasets.load_dataset`` of a Hub name or a plain local folder, its errors as a SourceError."""
     import datasets
     from datasets import config
 
     try:
-        dataset = datasets.load_dataset(name, name=subset, split=split)
+        return datasets.load_dataset(name, name=subset, split=split)
     except Exception as e:  # the datasets library raises many types; all mean "cannot load this"
         offline = " (HF_HUB_OFFLINE=1 is set: only datasets already in the local cache load)"
         raise SourceError(
@@ -163,7 +173,47 @@ def _from_hub(name: str, subset: str | None, split: str) -> Source:
             f"{offline if config.HF_HUB_OFFLINE else ''}: {type(e).__name__}: {e}. If it is local, pass "
             "a .json/.jsonl/.parquet file or a save_to_disk folder; 'synthetic' needs no download."
         ) from e
+
+
+def _from_hub(name: str, subset: str | None, split: str) -> Source:
+    dataset = _load_dataset(name, subset, split)
+    if has_json_feature(dataset.features):
+        _warn_json_text(f"{name} [{split}]")
     return Source(DatasetRows(dataset), f"{name} [{split}]")
+
+
+def _warn_json_text(name: str) -> None:
+    """For rows only ``datasets`` reads: its JSON-text fields may have changed some strings."""
+    logger.warning(
+        "%s: some field changes type between rows, and datasets reads strings that look like JSON "
+        "('4', 'true', '[1, 2]') back as numbers, booleans or lists; local .json/.jsonl files, plain or "
+        "gzip/bz2/xz-compressed, are read exactly",
+        name,
+    )
+
+
+def _from_folder(folder: Path, subset: str | None, split: str) -> Source:
+    """A plain folder of data files: the datasets library infers the builder and the splits from the
+    file names (``train.jsonl``, ``validation.jsonl``, ...)."""
+    import datasets
+
+    dataset = _load_dataset(str(folder), subset, split)
+    name = f"{folder} [{split}]"
+    if not has_json_feature(dataset.features):
+        return Source(DatasetRows(dataset), name, folder)
+    # The same JSON-text fields as in a single file (_from_file): read the split's files as written.
+    files = [
+        Path(f) for f in datasets.load_dataset_builder(str(folder), name=subset).config.data_files[split]
+    ]
+    if not all(json_rows_readable(f) for f in files):  # a zip or zstd archive: datasets' rows, said so
+        _warn_json_text(name)
+        return Source(DatasetRows(dataset), name, folder)
+    rows = [row for f in files for row in read_json_rows(f)]
+    if len(rows) != len(dataset):  # the files are not the ones datasets read: never guess
+        raise SourceError(
+            f"{name}: datasets read {len(dataset)} rows from {[str(f) for f in files]}, json {len(rows)}"
+        )
+    return Source(rows, name, folder)
 
 
 def synthetic_source(
@@ -204,8 +254,7 @@ def load_source(
     if local.is_dir():
         if (local / "dataset_dict.json").exists() or (local / "state.json").exists():
             return _from_disk(local, split)
-        # A plain folder of data files: the datasets library infers the builder from them.
-        return Source(_from_hub(str(local), spec.get("subset"), split).rows, f"{local} [{split}]", local)
+        return _from_folder(local, spec.get("subset"), split)
     if local.is_file():
         return _from_file(local)
     if _looks_like_path(path):
