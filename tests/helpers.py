@@ -38,25 +38,39 @@ def compose_train(
 
 
 def reward_gains(
-    overrides: list[str], rewards: list[str], output_dir: Path, seeds: tuple[int, ...] = (0,),
+    overrides: list[str], bars: dict[str, float], output_dir: Path, seeds: tuple[int, ...] = (0,),
     configure: Callable[[DictConfig], None] | None = None,
 ) -> dict[str, list[float]]:  # fmt: skip
-    """Train the job ``overrides`` once per seed (``validate_before_fit=true`` among them); per reward
-    function, its sampled validation mean after training minus before, one entry per seed."""
+    """Train the job ``overrides`` per seed (``validate_before_fit=true`` among them); per reward
+    function in ``bars``, its sampled validation mean after training minus before, one entry per seed run.
+
+    A test asks for the median gain over ``seeds`` to reach each reward's bar. With an odd number of
+    seeds that verdict is settled once a majority of them pass (or fail) for every reward, and the
+    median of the gains run so far then gives the same verdict, so the remaining seeds are not run."""
     from lightning_vlm.training import train
 
-    gains: dict[str, list[float]] = {reward: [] for reward in rewards}
+    gains: dict[str, list[float]] = {reward: [] for reward in bars}
     for seed in seeds:
         cfg = compose_train([*overrides, f"seed={seed}"], output_dir / f"seed{seed}")
         if configure is not None:
             configure(cfg)
         metrics, out = train(cfg)
-        for reward in rewards:
+        for reward in bars:
             before = out["initial_metrics"][f"val/rewards/{reward}"]
             after = float(metrics[f"val/rewards/{reward}"])
             print(f"{' '.join(overrides)}, seed {seed}: sampled {reward} {before:.3f} -> {after:.3f}")
             gains[reward].append(after - before)
+        if all(_median_settled(gains[r], bars[r], len(seeds)) for r in bars):
+            break
     return gains
+
+
+def _median_settled(gains: list[float], bar: float, seeds: int) -> bool:
+    """Whether the median over ``seeds`` runs reaching ``bar`` is already known from ``gains``."""
+    if seeds % 2 == 0:  # the median of an even count averages two runs: every run is needed
+        return len(gains) == seeds
+    passed = sum(g >= bar for g in gains)
+    return max(passed, len(gains) - passed) > seeds // 2
 
 
 class TowerCounter:

@@ -30,7 +30,8 @@ VARIANTS = {
 
 # The median over these seeds is asked for where one seed is a lottery on some CPUs: Online DPO gave
 # 0.383 -> 0.83 (seed 0) where its bar was set, and 0.758 / 0.855 / 0.922 (seeds 0 / 1 / 2) on an AMD EPYC.
-SEEDS = {"online_dpo": (0, 1, 2)}
+# Seed 0 runs last: the third seed only runs when the first two disagree (helpers.reward_gains).
+SEEDS = {"online_dpo": (1, 2, 0)}
 
 
 def _rewards(rows: list[dict]) -> list[float]:
@@ -54,12 +55,13 @@ def test_the_readme_grpo_command_raises_val_reward_by_020(tmp_path):
 @pytest.mark.parametrize("method", ["gspo", "rloo", "online_dpo"])
 def test_default_online_job_raises_accuracy_reward(method, tmp_path):
     start = time.time()
+    # Online DPO pairs the best and worst of 4 candidates (issue 13: TRL's two samples gave 0.38 -> 0.63)
+    bar = 0.4 if method == "online_dpo" else 0.2
     (gains,) = reward_gains(
-        [f"method={method}", *QUIET], ["accuracy_reward"], tmp_path, SEEDS.get(method, (0,))
+        [f"method={method}", *QUIET], {"accuracy_reward": bar}, tmp_path, SEEDS.get(method, (0,))
     ).values()
     print(f"{method} in {time.time() - start:.0f} s")
-    # Online DPO pairs the best and worst of 4 candidates (issue 13: TRL's two samples gave 0.38 -> 0.63)
-    assert statistics.median(gains) >= (0.4 if method == "online_dpo" else 0.2), (method, gains)
+    assert statistics.median(gains) >= bar, (method, gains)
 
 
 @pytest.mark.slow

@@ -28,8 +28,9 @@ RUNS = {
 }
 # Runs whose gain is a lottery of the training seed on some CPUs: the median over these seeds is asked
 # for. grpo_ocr gained +0.146 on the machine its bar was set on, and +0.046 / +0.086 / +0.088 with seeds
-# 0 / 1 / 2 on an AMD EPYC, where the same warm start rounds differently.
-SEEDS = {"grpo_ocr": (0, 1, 2)}
+# 0 / 1 / 2 on an AMD EPYC, where the same warm start rounds differently. Seed 0 runs last: the third
+# seed only runs when the first two disagree (helpers.reward_gains), and on the EPYC seeds 1 and 2 agree.
+SEEDS = {"grpo_ocr": (1, 2, 0)}
 
 
 def _validate_at_the_end(cfg) -> None:
@@ -40,7 +41,7 @@ def _validate_at_the_end(cfg) -> None:
 @pytest.mark.parametrize("experiment", list(RUNS))
 def test_grpo_raises_the_answer_reward(experiment, tmp_path):
     start = time.time()
-    gains = reward_gains([f"experiment={experiment}", *QUIET], list(RUNS[experiment]), tmp_path,
+    gains = reward_gains([f"experiment={experiment}", *QUIET], RUNS[experiment], tmp_path,
                          SEEDS.get(experiment, (0,)), configure=_validate_at_the_end)  # fmt: skip
     print(f"{experiment} in {time.time() - start:.0f} s")
     for metric, gain in RUNS[experiment].items():
