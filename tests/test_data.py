@@ -194,6 +194,13 @@ def test_a_folder_of_json_splits_keeps_the_strings_written(folder, train):
     assert [row["messages"][1]["content"] for row in all_rows(dm)] == [[text(a)] for a in answers]
     val = [dm.val_dataset[i]["messages"][1]["content"] for i in range(len(dm.val_dataset))]
     assert val == [[text(a)] for a in answers[::-1]]
+    # datasets' slice specs pick the same rows
+    from lightning_vlm.data import sources
+
+    sliced = sources.load_source(
+        {"path": str(folder / "data"), "split": "train[1:-1]+validation[:40%]"}, "sft"
+    ).rows
+    assert [row["messages"][1]["content"] for row in sliced] == answers[1:4] + ["red", "null"]
 
 
 def test_a_folder_datasets_reads_alone_says_its_strings_may_change(folder, caplog):

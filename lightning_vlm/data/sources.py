@@ -202,16 +202,20 @@ def _from_folder(folder: Path, subset: str | None, split: str) -> Source:
     if not has_json_feature(dataset.features):
         return Source(DatasetRows(dataset), name, folder)
     # The same JSON-text fields as in a single file (_from_file): read the split's files as written.
-    files = [
-        Path(f) for f in datasets.load_dataset_builder(str(folder), name=subset).config.data_files[split]
-    ]
-    if not all(json_rows_readable(f) for f in files):  # a zip or zstd archive: datasets' rows, said so
+    # ``split`` may be a slice spec ("train[:80%]+validation"): each named split's files, then the slices.
+    data_files = datasets.load_dataset_builder(str(folder), name=subset).config.data_files
+    instructions = datasets.ReadInstruction.from_spec(split)
+    wanted = {part.split("[")[0].strip() for part in split.split("+")}
+    named = {str(s): [Path(f) for f in files] for s, files in data_files.items() if str(s) in wanted}
+    if not all(json_rows_readable(f) for files in named.values() for f in files):  # zip, zstd: said so
         _warn_json_text(name)
         return Source(DatasetRows(dataset), name, folder)
-    rows = [row for f in files for row in read_json_rows(f)]
+    read = {s: [row for f in files for row in read_json_rows(f)] for s, files in named.items()}
+    rows = [row for i in instructions.to_absolute({s: len(r) for s, r in read.items()})
+            for row in read[i.splitname][i.from_ : i.to]]  # fmt: skip
     if len(rows) != len(dataset):  # the files are not the ones datasets read: never guess
         raise SourceError(
-            f"{name}: datasets read {len(dataset)} rows from {[str(f) for f in files]}, json {len(rows)}"
+            f"{name}: datasets read {len(dataset)} rows from {folder}, Python's json {len(rows)}"
         )
     return Source(rows, name, folder)
 
