@@ -217,7 +217,7 @@ def test_a_folder_datasets_reads_alone_says_its_strings_may_change(folder, caplo
     assert "strings that look like JSON" in caplog.text and str(folder / "data") in caplog.text
 
 
-def test_a_hub_dataset_with_json_text_fields_is_warned_about(folder, monkeypatch, caplog):
+def test_a_hub_or_saved_dataset_with_json_text_fields_is_warned_about(folder, monkeypatch, caplog):
     # No Hub here: the loader is handed the rows datasets makes of such a file, as it would from the Hub.
     from lightning_vlm.data import sources
 
@@ -227,6 +227,10 @@ def test_a_hub_dataset_with_json_text_fields_is_warned_about(folder, monkeypatch
     monkeypatch.setattr(sources, "_load_dataset", lambda name, subset, split: arrow)
     assert len(sources.load_source("org/vqa", "sft").rows) == 1
     assert "org/vqa [train]: some field changes type" in caplog.text
+    # a save_to_disk copy holds datasets' JSON text: warned about the same way
+    arrow.save_to_disk(str(folder / "saved"))
+    assert len(sources.load_source(str(folder / "saved"), "sft").rows) == 1
+    assert f"{folder / 'saved'} [train]: some field changes type" in caplog.text
 
 
 def test_plain_strings_become_typed_blocks_with_images_first(folder):

@@ -146,6 +146,8 @@ def _from_disk(folder: Path, split: str) -> Source:
         if split not in loaded:
             raise SourceError(f"{folder} is a DatasetDict without split {split!r}; it has {list(loaded)}")
         loaded = loaded[split]
+    if has_json_feature(loaded.features):  # stored as datasets' JSON text: the original strings are gone
+        _warn_json_text(f"{folder} [{split}]")
     return Source(DatasetRows(loaded), f"{folder} [{split}]", folder)
 
 
@@ -187,7 +189,7 @@ def _warn_json_text(name: str) -> None:
     logger.warning(
         "%s: some field changes type between rows, and datasets reads strings that look like JSON "
         "('4', 'true', '[1, 2]') back as numbers, booleans or lists; local .json/.jsonl files, plain or "
-        "gzip/bz2/xz-compressed, are read exactly",
+        "gzip/bz2/xz-compressed, are read exactly (a save_to_disk copy of them is not)",
         name,
     )
 
