@@ -9,6 +9,7 @@ transparency turned black) and assert the pixels instead.
 from __future__ import annotations
 
 import base64
+import gzip
 import io
 import json
 import logging
@@ -130,6 +131,12 @@ ERRORS: dict[str, Case] = {  # a table, so kept as laid out
     "invalid_json_document": (raw_file(b'[\n  {"messages": []},\n  {"messages": ]\n]', "data.json"),
                               SourceError, ("{dir}/data.json", "line 3, column 16: invalid JSON")),
     "empty_json_list": (raw_file(b"[]", "data.json"), SourceError, ("{dir}/data.json", "no rows")),
+    "invalid_json_line_gzipped": (raw_file(gzip.compress(BAD_LINE), "data.jsonl.gz"), SourceError,
+                                  ("{dir}/data.jsonl.gz", "line 3, column 15: invalid JSON", "oops")),
+    "corrupt_gzip": (raw_file(b"\x1f\x8b not really", "data.jsonl.gz"), SourceError,
+                     ("{dir}/data.jsonl.gz", "not a readable .gz archive")),
+    "compressed_parquet": (raw_file(b"PAR1", "data.parquet.gz"), SourceError,
+                           ("{dir}/data.parquet.gz", "unsupported file type '.parquet.gz'", "may be compressed")),
     "corrupt_parquet": (raw_file(b"PAR1 not really", "data.parquet"), SourceError,
                         ("{dir}/data.parquet", "could not be read as parquet")),
     # Nothing left after skipping.

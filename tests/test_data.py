@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import lzma
 import zipfile
 
 import datasets
@@ -74,6 +75,9 @@ def write(folder, kind: str, rows: list[dict]) -> str:
     if kind == "json":
         (folder / "data.json").write_text(json.dumps(rows))
         return str(folder / "data.json")
+    if kind == "jsonl.xz":
+        (folder / "data.jsonl.xz").write_bytes(lzma.compress("\n".join(json.dumps(r) for r in rows).encode()))
+        return str(folder / "data.jsonl.xz")
     if kind == "parquet":
         # from_list takes its columns from the first row; fill the rest with None like stored data.
         keys = dict.fromkeys(k for r in rows for k in r)
@@ -165,7 +169,7 @@ def test_local_sources(folder, kind, shape):
         assert dm.val_dataloader() == []
 
 
-@pytest.mark.parametrize("kind", ["jsonl", "json"])
+@pytest.mark.parametrize("kind", ["jsonl", "json", "jsonl.xz"])
 def test_answers_that_look_like_json_stay_the_strings_written(folder, kind):
     # A user turn of blocks and an assistant string make the content column change type: datasets then
     # stores it as JSON text and read "4" back as the number 4 (the row was refused), a box as a list.
@@ -194,9 +198,13 @@ def test_a_folder_of_json_splits_keeps_the_strings_written(folder, train):
     assert [row["messages"][1]["content"] for row in all_rows(dm)] == [[text(a)] for a in answers]
     val = [dm.val_dataset[i]["messages"][1]["content"] for i in range(len(dm.val_dataset))]
     assert val == [[text(a)] for a in answers[::-1]]
-    # datasets' slice specs pick the same rows
     from lightning_vlm.data import sources
 
+    with pytest.raises(
+        SourceError, match=r"split 'test' of the data files in .*data: ValueError: Unknown split"
+    ):
+        sources.load_source(str(folder / "data"), "sft", "test")
+    # datasets' slice specs pick the same rows
     sliced = sources.load_source(
         {"path": str(folder / "data"), "split": "train[1:-1]+validation[:40%]"}, "sft"
     ).rows

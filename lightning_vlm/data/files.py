@@ -1,4 +1,5 @@
-"""Local data files (``.json``/``.jsonl``/``.parquet``) loaded with ``datasets``, and its failures explained.
+"""Local data files (``.json``/``.jsonl``, plain or gzip/bz2/xz-compressed, and ``.parquet``) loaded with
+``datasets``, and its failures explained.
 
 ``datasets``' loaders fail on a bad file with whatever their parser raised: a bare ``StopIteration``
 for an empty file, "An error occurred while generating the dataset" for one bad JSON line, a
@@ -16,10 +17,15 @@ import codecs
 import gzip
 import json
 import lzma
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 FILE_BUILDERS: dict[str, str] = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+# Compressions of JSON data that datasets reads and the standard library streams (train.jsonl.gz).
+_OPENERS: dict[str, Callable[..., BinaryIO]] = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+# What a damaged archive raises while it is read.
+_ARCHIVE_ERRORS = (OSError, EOFError, lzma.LZMAError)
 _SNIPPET = 60  # characters of a bad line shown in the message
 _CHUNK = 1 << 24  # bytes per read of the UTF-8 check
 
@@ -48,11 +54,31 @@ def _utf8_problem(data: bytes) -> str | None:
     return None
 
 
+def data_suffix(path: Path) -> str:
+    """The suffix that says what ``path`` holds: ``.jsonl`` for ``train.jsonl`` and ``train.jsonl.gz``."""
+    suffixes = [s.lower() for s in path.suffixes[-2:]]
+    if len(suffixes) == 2 and suffixes[-1] in _OPENERS:
+        return suffixes[0]
+    return suffixes[-1] if suffixes else ""
+
+
+def open_data(path: Path) -> BinaryIO:
+    """``path`` opened for reading its data bytes, decompressed where its name says it is compressed."""
+    return _OPENERS.get(path.suffix.lower(), Path.open)(path, "rb")
+
+
+def json_rows_readable(path: Path) -> bool:
+    """Whether :func:`read_json_rows` reads ``path``: a .json/.jsonl file, maybe gzip/bz2/xz-compressed."""
+    return data_suffix(path) in (".json", ".jsonl") and (
+        path.suffix.lower() in _OPENERS or path.suffix.lower() == data_suffix(path)
+    )
+
+
 def is_utf8(path: Path) -> bool:
     """Whether the whole file decodes as UTF-8, read in chunks (a multi-GB file is never held whole)."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     try:
-        with path.open("rb") as f:
+        with open_data(path) as f:
             while chunk := f.read(_CHUNK):
                 decoder.decode(chunk)
         decoder.decode(b"", final=True)
@@ -101,7 +127,8 @@ def _json_document_problem(text: str) -> str | None:
 
 def json_problem(path: Path) -> str | None:
     """What makes ``path`` unloadable as JSON/JSON Lines data, or None if we find nothing wrong."""
-    data = path.read_bytes()
+    with open_data(path) as f:
+        data = f.read()
     if not data.strip():
         return (
             "the file is empty" + (" (0 bytes)" if not data else " (only whitespace)") + ": it holds no rows"
@@ -131,15 +158,20 @@ def load_file(path: Path) -> Any:
     naming the file and, for JSON, the line (or byte offset) and what is wrong there."""
     import datasets
 
-    builder = FILE_BUILDERS.get(path.suffix.lower())
-    if builder is None:
+    builder = FILE_BUILDERS.get(data_suffix(path))
+    compressed = path.suffix.lower() in _OPENERS
+    if builder is None or (compressed and builder != "json"):
         raise SourceError(
-            f"{path}: unsupported file type {path.suffix!r}; use one of {sorted(FILE_BUILDERS)}"
+            f"{path}: unsupported file type {''.join(path.suffixes[-2:])!r}; use one of {sorted(FILE_BUILDERS)}"
+            f" (JSON ones may be compressed: {', '.join(_OPENERS)})"
         )
     if path.stat().st_size == 0:  # datasets raises a bare StopIteration for this
         raise SourceError(f"{path}: the file is empty (0 bytes): it holds no rows")
-    if builder == "json" and not is_utf8(path):
-        raise SourceError(f"{path}: {json_problem(path)}")
+    try:
+        if builder == "json" and not is_utf8(path):
+            raise SourceError(f"{path}: {json_problem(path)}")
+    except _ARCHIVE_ERRORS as e:  # checked first: datasets' own message names neither file nor cause
+        raise SourceError(f"{path}: not a readable {path.suffix} archive: {type(e).__name__}: {e}") from e
     try:
         # A local file is one split whatever its name; `split` only selects within Hub datasets and
         # DatasetDict folders, so a separate validation file just works.
@@ -166,18 +198,6 @@ def has_json_feature(feature: Any) -> bool:
     return inner is not None and has_json_feature(inner)
 
 
-# Compressions of JSON files that datasets reads and the standard library undoes.
-_DECOMPRESS = {".gz": gzip.decompress, ".bz2": bz2.decompress, ".xz": lzma.decompress}
-
-
-def json_rows_readable(path: Path) -> bool:
-    """Whether :func:`read_json_rows` reads ``path``: a .json/.jsonl file, maybe gzip/bz2/xz-compressed."""
-    suffixes = [s.lower() for s in path.suffixes[-2:]]
-    if suffixes and suffixes[-1] in _DECOMPRESS:
-        suffixes.pop()
-    return bool(suffixes) and suffixes[-1] in (".json", ".jsonl")
-
-
 def read_json_rows(path: Path) -> list[dict]:
     """The rows of a JSON Lines file (or a JSON list of row objects), exactly as Python's json reads them.
 
@@ -185,9 +205,8 @@ def read_json_rows(path: Path) -> list[dict]:
     be valid JSON as JSON text, so an answer "4" comes back as the number 4 and "[0.1, 0.2, 0.5, 0.6]"
     as a list. Call ``json_problem`` first (or load it with ``datasets``): this assumes a readable file.
     """
-    data = path.read_bytes()
-    decompress = _DECOMPRESS.get(path.suffix.lower())
-    text = (decompress(data) if decompress else data).decode("utf-8").removeprefix("\ufeff")
+    with open_data(path) as f:
+        text = f.read().decode("utf-8").removeprefix("\ufeff")
     if text.lstrip().startswith("["):
         return json.loads(text)
     return [json.loads(line) for line in text.splitlines() if line.strip()]

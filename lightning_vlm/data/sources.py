@@ -18,6 +18,7 @@ from lightning_vlm.data import grounding, vqa
 from lightning_vlm.data.files import (
     FILE_BUILDERS,
     SourceError,
+    data_suffix,
     has_json_feature,
     json_rows_readable,
     load_file,
@@ -135,7 +136,7 @@ def plain(spec: Any) -> Any:
 
 
 def _looks_like_path(spec: str) -> bool:
-    return spec.startswith(("/", ".", "~")) or Path(spec).suffix.lower() in FILE_BUILDERS
+    return spec.startswith(("/", ".", "~")) or data_suffix(Path(spec)) in FILE_BUILDERS
 
 
 def _from_disk(folder: Path, split: str) -> Source:
@@ -161,14 +162,19 @@ def _from_file(path: Path) -> Source:
     return Source(DatasetRows(dataset), str(path), path.parent)
 
 
-def _load_dataset(name: str, subset: str | None, split: str) -> Any:
-    """``datasets.load_dataset`` of a Hub name or a plain local folder, its errors as a SourceError."""
+def _load_dataset(name: str, subset: str | None, split: str, folder: bool = False) -> Any:
+    """``datasets.load_dataset`` of a Hub name or a plain local ``folder``, its errors as a SourceError."""
     import datasets
     from datasets import config
 
     try:
         return datasets.load_dataset(name, name=subset, split=split)
     except Exception as e:  # the datasets library raises many types; all mean "cannot load this"
+        if folder:
+            raise SourceError(
+                f"could not load split {split!r} of the data files in {name}: {type(e).__name__}: {e}. The "
+                "files' names give the splits (train.jsonl, validation.jsonl, test.jsonl); or pass one file"
+            ) from e
         offline = " (HF_HUB_OFFLINE=1 is set: only datasets already in the local cache load)"
         raise SourceError(
             f"could not load dataset {name!r} (subset {subset!r}, split {split!r}) from the Hugging Face Hub"
@@ -199,7 +205,7 @@ def _from_folder(folder: Path, subset: str | None, split: str) -> Source:
     file names (``train.jsonl``, ``validation.jsonl``, ...)."""
     import datasets
 
-    dataset = _load_dataset(str(folder), subset, split)
+    dataset = _load_dataset(str(folder), subset, split, folder=True)
     name = f"{folder} [{split}]"
     if not has_json_feature(dataset.features):
         return Source(DatasetRows(dataset), name, folder)
