@@ -135,6 +135,8 @@ ERRORS: dict[str, Case] = {  # a table, so kept as laid out
                                   ("{dir}/data.jsonl.gz", "line 3, column 15: invalid JSON", "oops")),
     "corrupt_gzip": (raw_file(b"\x1f\x8b not really", "data.jsonl.gz"), SourceError,
                      ("{dir}/data.jsonl.gz", "not a readable .gz archive")),
+    "csv_file": (raw_file(b"a,b\n1,2\n", "data.v2.csv"), SourceError,
+                 ("{dir}/data.v2.csv", "unsupported file type '.csv'", ".jsonl")),
     "compressed_parquet": (raw_file(b"PAR1", "data.parquet.gz"), SourceError,
                            ("{dir}/data.parquet.gz", "unsupported file type '.parquet.gz'", "may be compressed")),
     "corrupt_parquet": (raw_file(b"PAR1 not really", "data.parquet"), SourceError,

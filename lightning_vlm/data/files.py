@@ -161,9 +161,10 @@ def load_file(path: Path) -> Any:
     builder = FILE_BUILDERS.get(data_suffix(path))
     compressed = path.suffix.lower() in _OPENERS
     if builder is None or (compressed and builder != "json"):
+        kind = "".join(path.suffixes[-2:]) if compressed else path.suffix
         raise SourceError(
-            f"{path}: unsupported file type {''.join(path.suffixes[-2:])!r}; use one of {sorted(FILE_BUILDERS)}"
-            f" (JSON ones may be compressed: {', '.join(_OPENERS)})"
+            f"{path}: unsupported file type {kind!r}; use one of {sorted(FILE_BUILDERS)} (JSON ones may be "
+            f"compressed: {', '.join(_OPENERS)})"
         )
     if path.stat().st_size == 0:  # datasets raises a bare StopIteration for this
         raise SourceError(f"{path}: the file is empty (0 bytes): it holds no rows")
@@ -171,6 +172,8 @@ def load_file(path: Path) -> Any:
         if builder == "json" and not is_utf8(path):
             raise SourceError(f"{path}: {json_problem(path)}")
     except _ARCHIVE_ERRORS as e:  # checked first: datasets' own message names neither file nor cause
+        if not compressed:  # a plain file's OSError (permissions, ...) says what it is
+            raise
         raise SourceError(f"{path}: not a readable {path.suffix} archive: {type(e).__name__}: {e}") from e
     try:
         # A local file is one split whatever its name; `split` only selects within Hub datasets and
