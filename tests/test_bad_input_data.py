@@ -133,6 +133,8 @@ ERRORS: dict[str, Case] = {  # a table, so kept as laid out
     "empty_json_list": (raw_file(b"[]", "data.json"), SourceError, ("{dir}/data.json", "no rows")),
     "invalid_json_line_gzipped": (raw_file(gzip.compress(BAD_LINE), "data.jsonl.gz"), SourceError,
                                   ("{dir}/data.jsonl.gz", "line 3, column 15: invalid JSON", "oops")),
+    "empty_gzip": (raw_file(gzip.compress(b""), "data.jsonl.gz"), SourceError,
+                   ("{dir}/data.jsonl.gz", "empty (0 bytes once decompressed)")),
     "corrupt_gzip": (raw_file(b"\x1f\x8b not really", "data.jsonl.gz"), SourceError,
                      ("{dir}/data.jsonl.gz", "not a readable .gz archive")),
     "csv_file": (raw_file(b"a,b\n1,2\n", "data.v2.csv"), SourceError,

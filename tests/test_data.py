@@ -186,11 +186,12 @@ def test_answers_that_look_like_json_stay_the_strings_written(folder, kind):
 def test_a_folder_of_json_splits_keeps_the_strings_written(folder, train):
     # The same datasets behaviour through a plain folder of split files (their splits inferred from the
     # names), plain or compressed.
-    answers = ["4", "[0.1, 0.2, 0.5, 0.6]", "true", "null", "red"]
+    # "red\u2028x": JSON Lines split at "\n" only, and JSON strings may hold U+2028 unescaped
+    answers = ["4", "[0.1, 0.2, 0.5, 0.6]", "true", "null", "red\u2028x"]
     rows = [{"messages": user(IMG, text("Q?")) + [{"role": "assistant", "content": a}], "images": ["../img/red.png"]}
             for a in answers]  # fmt: skip
     (folder / "data").mkdir()
-    lines = "\n".join(json.dumps(r) for r in rows).encode()
+    lines = "\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows).encode()
     (folder / "data" / train).write_bytes(gzip.compress(lines) if train.endswith(".gz") else lines)
     (folder / "data" / "validation.json").write_text(json.dumps(rows[::-1]))
     dm = SFTDataModule(train=str(folder / "data"), val=str(folder / "data"), batch_size=8, shuffle=False)
@@ -208,7 +209,23 @@ def test_a_folder_of_json_splits_keeps_the_strings_written(folder, train):
     sliced = sources.load_source(
         {"path": str(folder / "data"), "split": "train[1:-1]+validation[:40%]"}, "sft"
     ).rows
-    assert [row["messages"][1]["content"] for row in sliced] == answers[1:4] + ["red", "null"]
+    assert [row["messages"][1]["content"] for row in sliced] == answers[1:4] + ["red\u2028x", "null"]
+    every = sources.load_source({"path": str(folder / "data"), "split": "all"}, "sft").rows
+    assert [row["messages"][1]["content"] for row in every] == answers + answers[::-1]
+
+
+def test_a_folder_file_datasets_reads_by_its_content_falls_back_with_a_warning(folder, caplog):
+    # datasets tells gzip by its magic bytes, not by the name: a gzipped "train.jsonl" loads there, and
+    # our re-read (which goes by the name) cannot read it, so datasets' rows are used, said so.
+    rows = [{"messages": user(text("Q?")) + [{"role": "assistant", "content": a}]} for a in ["red", "blue"]]
+    (folder / "data").mkdir()
+    (folder / "data" / "train.jsonl").write_bytes(
+        gzip.compress("\n".join(json.dumps(r) for r in rows).encode())
+    )
+    dm = SFTDataModule(train=str(folder / "data"), batch_size=8, shuffle=False, val_fraction=None)
+    dm.setup("fit")
+    assert [row["messages"][1]["content"] for row in all_rows(dm)] == [[text("red")], [text("blue")]]
+    assert "could not re-read ['train'] with Python's json" in caplog.text
 
 
 def test_a_folder_datasets_reads_alone_says_its_strings_may_change(folder, caplog):

@@ -90,7 +90,7 @@ def is_utf8(path: Path) -> bool:
 def _json_lines_problem(text: str) -> str | None:
     """The first line of a JSON Lines text that is not one JSON object, or None if every line is."""
     rows = 0
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(json_lines(text), start=1):
         if not line.strip():
             continue  # blank lines are allowed (and skipped) by the loader
         try:
@@ -129,9 +129,18 @@ def json_problem(path: Path) -> str | None:
     """What makes ``path`` unloadable as JSON/JSON Lines data, or None if we find nothing wrong."""
     with open_data(path) as f:
         data = f.read()
+    compressed = path.suffix.lower() in _OPENERS
     if not data.strip():
         return (
-            "the file is empty" + (" (0 bytes)" if not data else " (only whitespace)") + ": it holds no rows"
+            "the file is empty"
+            + (
+                " (only whitespace)"
+                if data
+                else " (0 bytes once decompressed)"
+                if compressed
+                else " (0 bytes)"
+            )
+            + ": it holds no rows"
         )
     problem = _utf8_problem(data)
     if problem:
@@ -212,4 +221,10 @@ def read_json_rows(path: Path) -> list[dict]:
         text = f.read().decode("utf-8").removeprefix("\ufeff")
     if text.lstrip().startswith("["):
         return json.loads(text)
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [json.loads(line) for line in json_lines(text) if line.strip()]
+
+
+def json_lines(text: str) -> list[str]:
+    """The lines of JSON Lines text as Arrow splits them: at "\n" only (JSON strings may hold U+2028,
+    U+2029 or U+0085 unescaped, which ``str.splitlines`` would split at), each without its "\r"."""
+    return [line.removesuffix("\r") for line in text.split("\n")]

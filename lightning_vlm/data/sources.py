@@ -212,18 +212,26 @@ def _from_folder(folder: Path, subset: str | None, split: str) -> Source:
     # The same JSON-text fields as in a single file (_from_file): read the split's files as written.
     # ``split`` may be a slice spec ("train[:80%]+validation"): each named split's files, then the slices.
     data_files = datasets.load_dataset_builder(str(folder), name=subset).config.data_files
-    instructions = datasets.ReadInstruction.from_spec(split)
+    named = {str(s): [Path(f) for f in files] for s, files in data_files.items()}
+    if split == "all":  # as datasets reads it: every split, in order
+        split = "+".join(named)
     wanted = {part.split("[")[0].strip() for part in split.split("+")}
-    named = {str(s): [Path(f) for f in files] for s, files in data_files.items() if str(s) in wanted}
-    if not all(json_rows_readable(f) for files in named.values() for f in files):  # zip, zstd: said so
+    named = {s: files for s, files in named.items() if s in wanted}
+    if wanted - set(named) or not all(json_rows_readable(f) for files in named.values() for f in files):
+        _warn_json_text(name)  # a zip or zstd archive, or a spec we do not follow: datasets' rows, said so
+        return Source(DatasetRows(dataset), name, folder)
+    try:
+        read = {s: [row for f in files for row in read_json_rows(f)] for s, files in named.items()}
+    except (ValueError, OSError, EOFError) as e:  # a file datasets read by its content, not its name
+        logger.warning("%s: could not re-read %s with Python's json (%s)", name, list(named), e)
         _warn_json_text(name)
         return Source(DatasetRows(dataset), name, folder)
-    read = {s: [row for f in files for row in read_json_rows(f)] for s, files in named.items()}
-    rows = [row for i in instructions.to_absolute({s: len(r) for s, r in read.items()})
-            for row in read[i.splitname][i.from_ : i.to]]  # fmt: skip
+    instructions = datasets.ReadInstruction.from_spec(split).to_absolute({s: len(r) for s, r in read.items()})
+    rows = [row for i in instructions for row in read[i.splitname][i.from_ : i.to]]
     if len(rows) != len(dataset):  # the files are not the ones datasets read: never guess
         raise SourceError(
-            f"{name}: datasets read {len(dataset)} rows from {folder}, Python's json {len(rows)}"
+            f"{name}: datasets read {len(dataset)} rows from {folder}, Python's json {len(rows)}; pass the "
+            "split's files one at a time to find the one that differs"
         )
     return Source(rows, name, folder)
 
