@@ -25,7 +25,7 @@ FILE_BUILDERS: dict[str, str] = {".json": "json", ".jsonl": "json", ".parquet": 
 # Compressions of JSON data that datasets reads and the standard library streams (train.jsonl.gz).
 _OPENERS: dict[str, Callable[..., BinaryIO]] = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 # What a damaged archive raises while it is read.
-_ARCHIVE_ERRORS = (OSError, EOFError, lzma.LZMAError)
+ARCHIVE_ERRORS = (OSError, EOFError, lzma.LZMAError)
 _SNIPPET = 60  # characters of a bad line shown in the message
 _CHUNK = 1 << 24  # bytes per read of the UTF-8 check
 
@@ -180,7 +180,7 @@ def load_file(path: Path) -> Any:
     try:
         if builder == "json" and not is_utf8(path):
             raise SourceError(f"{path}: {json_problem(path)}")
-    except _ARCHIVE_ERRORS as e:  # checked first: datasets' own message names neither file nor cause
+    except ARCHIVE_ERRORS as e:  # checked first: datasets' own message names neither file nor cause
         if not compressed:  # a plain file's OSError (permissions, ...) says what it is
             raise
         raise SourceError(f"{path}: not a readable {path.suffix} archive: {type(e).__name__}: {e}") from e

@@ -16,6 +16,7 @@ from typing import Any
 
 from lightning_vlm.data import grounding, vqa
 from lightning_vlm.data.files import (
+    ARCHIVE_ERRORS,
     FILE_BUILDERS,
     SourceError,
     data_suffix,
@@ -222,7 +223,7 @@ def _from_folder(folder: Path, subset: str | None, split: str) -> Source:
         return Source(DatasetRows(dataset), name, folder)
     try:
         read = {s: [row for f in files for row in read_json_rows(f)] for s, files in named.items()}
-    except (ValueError, OSError, EOFError) as e:  # a file datasets read by its content, not its name
+    except (ValueError, *ARCHIVE_ERRORS) as e:  # a file datasets read by its content, not its name
         logger.warning("%s: could not re-read %s with Python's json (%s)", name, list(named), e)
         _warn_json_text(name)
         return Source(DatasetRows(dataset), name, folder)
