@@ -62,16 +62,20 @@ def data_suffix(path: Path) -> str:
     return suffixes[-1] if suffixes else ""
 
 
+def is_compressed(path: Path) -> bool:
+    """Whether ``path``'s name says it is compressed in a way :func:`open_data` undoes."""
+    return path.suffix.lower() in _OPENERS
+
+
 def open_data(path: Path) -> BinaryIO:
     """``path`` opened for reading its data bytes, decompressed where its name says it is compressed."""
     return _OPENERS.get(path.suffix.lower(), Path.open)(path, "rb")
 
 
 def json_rows_readable(path: Path) -> bool:
-    """Whether :func:`read_json_rows` reads ``path``: a .json/.jsonl file, maybe gzip/bz2/xz-compressed."""
-    return data_suffix(path) in (".json", ".jsonl") and (
-        path.suffix.lower() in _OPENERS or path.suffix.lower() == data_suffix(path)
-    )
+    """Whether :func:`read_json_rows` reads ``path``: a .json/.jsonl file, maybe gzip/bz2/xz-compressed
+    (a zip or zstd archive's data suffix is its own)."""
+    return data_suffix(path) in (".json", ".jsonl")
 
 
 def is_utf8(path: Path) -> bool:
@@ -129,19 +133,11 @@ def json_problem(path: Path) -> str | None:
     """What makes ``path`` unloadable as JSON/JSON Lines data, or None if we find nothing wrong."""
     with open_data(path) as f:
         data = f.read()
-    compressed = path.suffix.lower() in _OPENERS
     if not data.strip():
-        return (
-            "the file is empty"
-            + (
-                " (only whitespace)"
-                if data
-                else " (0 bytes once decompressed)"
-                if compressed
-                else " (0 bytes)"
-            )
-            + ": it holds no rows"
+        size = (
+            "only whitespace" if data else "0 bytes once decompressed" if is_compressed(path) else "0 bytes"
         )
+        return f"the file is empty ({size}): it holds no rows"
     problem = _utf8_problem(data)
     if problem:
         return problem
@@ -168,7 +164,7 @@ def load_file(path: Path) -> Any:
     import datasets
 
     builder = FILE_BUILDERS.get(data_suffix(path))
-    compressed = path.suffix.lower() in _OPENERS
+    compressed = is_compressed(path)
     if builder is None or (compressed and builder != "json"):
         kind = "".join(path.suffixes[-2:]) if compressed else path.suffix
         raise SourceError(
