@@ -20,6 +20,7 @@ from lightning_vlm.data import (
     SFTDataModule,
     SourceError,
     normalize_row,
+    sources,
 )
 
 MODULES = {"sft": SFTDataModule, "preference": PreferenceDataModule, "prompt": PromptDataModule}
@@ -45,6 +46,15 @@ def folder(tmp_path):
 IMG = {"type": "image"}
 user = lambda *blocks: [{"role": "user", "content": list(blocks)}]  # noqa: E731
 text = lambda s: {"type": "text", "text": s}  # noqa: E731
+
+
+def answered(answer: str, image: str | None = None) -> dict:
+    """An SFT row: a question (after ``image``, when given) and an assistant ``answer`` as a plain string."""
+    blocks = [IMG, text("Q?")] if image else [text("Q?")]
+    return {
+        "messages": user(*blocks) + [{"role": "assistant", "content": answer}],
+        **({"images": [image]} if image else {}),
+    }
 
 
 def good_rows(shape: str) -> list[dict]:
@@ -174,8 +184,7 @@ def test_answers_that_look_like_json_stay_the_strings_written(folder, kind):
     # A user turn of blocks and an assistant string make the content column change type: datasets then
     # stores it as JSON text and read "4" back as the number 4 (the row was refused), a box as a list.
     answers = ["4", "[0.1, 0.2, 0.5, 0.6]", "true", "null", "red"]
-    rows = [{"messages": user(IMG, text("Q?")) + [{"role": "assistant", "content": a}], "images": ["img/red.png"]}
-            for a in answers]  # fmt: skip
+    rows = [answered(a, "img/red.png") for a in answers]
     dm = SFTDataModule(train=write(folder, kind, rows), batch_size=8, shuffle=False, val_fraction=None)
     dm.setup("fit")
     assert [row["messages"][1]["content"] for row in all_rows(dm)] == [[text(a)] for a in answers]
@@ -188,8 +197,7 @@ def test_a_folder_of_json_splits_keeps_the_strings_written(folder, train):
     # names), plain or compressed.
     # "red\u2028x": JSON Lines split at "\n" only, and JSON strings may hold U+2028 unescaped
     answers = ["4", "[0.1, 0.2, 0.5, 0.6]", "true", "null", "red\u2028x"]
-    rows = [{"messages": user(IMG, text("Q?")) + [{"role": "assistant", "content": a}], "images": ["../img/red.png"]}
-            for a in answers]  # fmt: skip
+    rows = [answered(a, "../img/red.png") for a in answers]
     (folder / "data").mkdir()
     lines = "\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows).encode()
     (folder / "data" / train).write_bytes(gzip.compress(lines) if train.endswith(".gz") else lines)
@@ -199,8 +207,6 @@ def test_a_folder_of_json_splits_keeps_the_strings_written(folder, train):
     assert [row["messages"][1]["content"] for row in all_rows(dm)] == [[text(a)] for a in answers]
     val = [dm.val_dataset[i]["messages"][1]["content"] for i in range(len(dm.val_dataset))]
     assert val == [[text(a)] for a in answers[::-1]]
-    from lightning_vlm.data import sources
-
     with pytest.raises(
         SourceError, match=r"split 'test' of the data files in .*data: ValueError: Unknown split"
     ):
@@ -217,7 +223,7 @@ def test_a_folder_of_json_splits_keeps_the_strings_written(folder, train):
 def test_a_folder_file_datasets_reads_by_its_content_falls_back_with_a_warning(folder, caplog):
     # datasets tells gzip by its magic bytes, not by the name: a gzipped "train.jsonl" loads there, and
     # our re-read (which goes by the name) cannot read it, so datasets' rows are used, said so.
-    rows = [{"messages": user(text("Q?")) + [{"role": "assistant", "content": a}]} for a in ["red", "blue"]]
+    rows = [answered(a) for a in ["red", "blue"]]
     (folder / "data").mkdir()
     (folder / "data" / "train.jsonl").write_bytes(
         gzip.compress("\n".join(json.dumps(r) for r in rows).encode())
@@ -231,7 +237,7 @@ def test_a_folder_file_datasets_reads_by_its_content_falls_back_with_a_warning(f
 def test_a_folder_datasets_reads_alone_says_its_strings_may_change(folder, caplog):
     # A zip archive stays with datasets: an answer that looks like JSON may come back changed, and the
     # log says so (here "4" then fails as a number, naming the row).
-    rows = [{"messages": user(text("Q?")) + [{"role": "assistant", "content": a}]} for a in ["red", "4"]]
+    rows = [answered(a) for a in ["red", "4"]]
     (folder / "data").mkdir()
     with zipfile.ZipFile(folder / "data" / "train.zip", "w") as z:
         z.writestr("train.jsonl", "\n".join(json.dumps(r) for r in rows))
@@ -244,9 +250,7 @@ def test_a_folder_datasets_reads_alone_says_its_strings_may_change(folder, caplo
 
 def test_a_hub_or_saved_dataset_with_json_text_fields_is_warned_about(folder, monkeypatch, caplog):
     # No Hub here: the loader is handed the rows datasets makes of such a file, as it would from the Hub.
-    from lightning_vlm.data import sources
-
-    rows = [{"messages": user(text("Q?")) + [{"role": "assistant", "content": "red"}]}]
+    rows = [answered("red")]
     (folder / "t.jsonl").write_text(json.dumps(rows[0]))
     arrow = datasets.load_dataset("json", data_files=str(folder / "t.jsonl"), split="train")
     monkeypatch.setattr(sources, "_load_dataset", lambda name, subset, split: arrow)
