@@ -75,6 +75,8 @@ TRAIN_CASES = [
     (["method=grpo", "method.num_generations=0"], InstantiationException, r"num_generations must be >= 1", CLEAR),
     (["method=online_dpo", "method.num_generations=4"], InstantiationException, r"num_generations must be 2", CLEAR),
     (["method=rloo", "method.num_generations=1"], InstantiationException, r"RLOO needs num_generations >= 2", CLEAR),
+    (["method=grpo", "method.num_generations=1"], InstantiationException,
+     r"GRPO compares completions within a group: num_generations must be >= 2, got 1", NEW),
     (["method=grpo", "method.reward_weights=[1.0,2.0]"], InstantiationException,
      r"reward_weights: got 2 reward weights for 1 reward functions \['accuracy_reward'\]", NEW),
     (["method=grpo", "method.epsilon=-0.1"], InstantiationException, r"epsilon and epsilon_high must be > 0", CLEAR),
@@ -147,6 +149,7 @@ DIRECT_CASES = [
     (lambda vlm, tmp: RewardScorer(["no_such_reward"]), ValueError, r"'no_such_reward' is neither"),
     (lambda vlm, tmp: GRPO(vlm, optimizer=sgd(), num_generations=0), ValueError, r"num_generations must be >= 1"),
     (lambda vlm, tmp: RLOO(vlm, optimizer=sgd(), num_generations=1), ValueError, r"num_generations >= 2"),
+    (lambda vlm, tmp: GRPO(vlm, optimizer=sgd(), num_generations=1), ValueError, r"num_generations must be >= 2"),
     (lambda vlm, tmp: OnlineDPO(vlm, optimizer=sgd(), micro_batch_size=3), ValueError, r"micro_batch_size must be even"),
     (lambda vlm, tmp: group_advantages(torch.zeros(8), 3), ValueError, r"groups of num_generations=3"),
     # a reward beyond float32 (the scores' dtype) would become inf there; a weighted total too
@@ -158,8 +161,8 @@ DIRECT_CASES = [
 
 
 DIRECT_IDS = ["vlm-missing-folder", "vlm-file", "sft-max_length", "scorer-weights", "scorer-unknown-name",
-              "grpo-num_generations", "rloo-num_generations", "online_dpo-odd-micro_batch", "groups-not-dividing",
-              "reward-beyond-float32", "weighted-total-beyond-float32"]  # fmt: skip
+              "grpo-num_generations", "rloo-num_generations", "grpo-group-of-one", "online_dpo-odd-micro_batch",
+              "groups-not-dividing", "reward-beyond-float32", "weighted-total-beyond-float32"]  # fmt: skip
 
 
 @pytest.mark.parametrize(("build", "error", "message"), DIRECT_CASES, ids=DIRECT_IDS)

@@ -38,6 +38,20 @@ def test_sequence_ratio_values_and_gradients_are_gspo():
     close(logps.grad, [[math.sqrt(2), math.sqrt(2), 0.0]])  # s_i · ∇logp_t, s_i = 2^(1/2)
 
 
+def test_sequence_level_stats_leave_out_sequences_without_tokens():
+    # Rows 1 and 3 are fully masked (truncated under mask_truncated_completions): they have no ratio.
+    # Row 0: log s = mean of token log-ratios = ln 2 (s = 2 > 1.2, A > 0: clipped high); row 2: s = 1. The mean is over rows 0 and 2
+    # only; counting the empty rows as 0 gave ratio/mean 0.75 and clip_ratio/high 0.25.
+    logps = torch.tensor([[L2, L2], [5.0, 5.0], [0.0, 0.0], [1.0, 1.0]])
+    old = torch.zeros(4, 2)
+    mask = torch.tensor([[1, 1], [0, 0], [1, 1], [0, 0]])
+    _, stats = clipped_surrogate(logps, old, torch.ones(4), mask, level="sequence")
+    close(stats["ratio/mean"], 1.5)
+    close(stats["clip_ratio/high"], 0.5)
+    _, empty = clipped_surrogate(logps, old, torch.ones(4), torch.zeros(4, 2), level="sequence")
+    close(empty["ratio/mean"], 0.0)  # no active sequence at all: 0, not NaN
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
 def test_sequence_token_form_matches_broadcast_sequence_ratio(loss_type: str):
     # TRL broadcasts a differentiable s_i = exp(masked mean log-ratio) to every token; same gradient

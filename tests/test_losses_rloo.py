@@ -48,3 +48,19 @@ def test_on_policy_gradient_is_reinforce_and_global_normaliser_splits():
         for i in range(2)
     )
     assert halves.item() == pytest.approx(whole.item())
+
+
+def test_a_far_off_policy_sequence_is_capped_not_nan():
+    # Σ_t log-ratio = 200 · 0.5 = 100 > 88: exp overflowed to inf, and inf · A = inf · 0 gave NaN for
+    # seq 0 (advantage 0, a tied group) in the loss and the gradient. Capped at e^20: seq 0 adds 0 and
+    # gets no gradient; seq 1 (A = 1 > 0) is clipped at 1 + ε as before.
+    logps = torch.full((2, 200), -0.1, requires_grad=True)
+    old = torch.full((2, 200), -0.6)
+    loss, stats = rloo_loss(logps, old, torch.tensor([0.0, 1.0]), torch.ones(2, 200))
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.2 / 2)
+    assert torch.isfinite(logps.grad).all() and not logps.grad.any()
+    assert stats["ratio/max"].item() == pytest.approx(math.exp(20.0), rel=1e-5)
+    # A negative advantage on such a sequence: a large but finite loss (e^20 · |A| / N), not inf
+    loss, _ = rloo_loss(logps.detach(), old, torch.tensor([-1.0, 1.0]), torch.ones(2, 200))
+    assert math.isfinite(loss.item()) and loss.item() == pytest.approx((math.exp(20.0) - 1.2) / 2, rel=1e-5)

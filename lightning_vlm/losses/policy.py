@@ -57,8 +57,10 @@ def _level_mean(x: torch.Tensor, mask: torch.Tensor, level: Level) -> torch.Tens
     if level == "token":
         return _masked_mean(x, mask)
     m = mask.to(x.dtype)
-    per_sequence = (x * m).sum(-1) / m.sum(-1).clamp(min=1.0)
-    return per_sequence.mean() if per_sequence.numel() else x.new_zeros(())
+    tokens = m.sum(-1)
+    per_sequence = (x * m).sum(-1) / tokens.clamp(min=1.0)
+    # A sequence without active tokens (masked as truncated) has no value: it is left out, not counted as 0.
+    return (per_sequence * (tokens > 0)).sum() / (tokens > 0).sum().clamp(min=1)
 
 
 def _masked_min_max(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

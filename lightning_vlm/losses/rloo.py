@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+MAX_LOG_RATIO = 20.0
+
 
 def sequence_log_ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """log π(y)/π_old(y) = Σ_t mask·(logp_t - old_t), one value per sequence [N]."""
@@ -24,7 +26,8 @@ def rloo_loss(
     epsilon_high: float | None = None,
     num_sequences_in_batch: int | float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Σ_i -min(s_i·A_i, clip(s_i, 1-ε_l, 1+ε_h)·A_i) / N with s_i = exp(Σ_t logp - old), and metrics.
+    """Σ_i -min(s_i·A_i, clip(s_i, 1-ε_l, 1+ε_h)·A_i) / N with s_i = exp(min(Σ_t logp - old, 20)), and
+    metrics.
 
     ``old_logps=None`` is on-policy: s = 1 in value, and the gradient is REINFORCE's -A·Σ_t ∇logp_t.
     ``num_sequences_in_batch`` replaces the local N so gradient accumulation gives the full-batch update.
@@ -32,7 +35,10 @@ def rloo_loss(
     if old_logps is None:
         old_logps = logps.detach()
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
-    ratio = torch.exp(sequence_log_ratio(logps, old_logps, mask))
+    # A summed log-ratio passes exp's float32 range (~88) on long off-policy answers: the ratio became inf
+    # and inf * 0 (a zero advantage: a tied group, a masked sequence) NaN. Capped at e^20, far past any
+    # clip range, as VESPO's authors cap theirs (losses/policy_variants.py); beyond it the step is 0.
+    ratio = torch.exp(torch.clamp(sequence_log_ratio(logps, old_logps, mask), max=MAX_LOG_RATIO))
     clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + eps_high)
     per_sequence = -torch.min(ratio * advantages, clipped * advantages)
     n = per_sequence.shape[0] if num_sequences_in_batch is None else num_sequences_in_batch

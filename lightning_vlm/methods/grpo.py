@@ -115,6 +115,11 @@ class GRPO(OnlineRL):
         _check(off_policy_mask_threshold is None or off_policy_mask_threshold >= 0,
                f"off_policy_mask_threshold must be >= 0, got {off_policy_mask_threshold}")  # fmt: skip
         super().__init__(vlm, optimizer, **online)
+        # A group of one has no spread: every advantage is 0 (under every scale_rewards and GDPO), so only
+        # the KL and entropy terms would train. TRL's GRPOConfig refuses it too.
+        _check(self.hparams.num_generations >= 2,
+               f"GRPO compares completions within a group: num_generations must be >= 2, got "
+               f"{self.hparams.num_generations} (every advantage would be 0)")  # fmt: skip
         for advice in level_advice(loss_type, importance_sampling_level):
             if launcher_rank() == 0:  # every rank builds the module; one warning is enough
                 log.warning("GRPO: %s", advice)
