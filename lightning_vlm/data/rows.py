@@ -233,8 +233,10 @@ def normalize_row(
         ):
             # TRL's prompt-completion form: the completion is what is trained on.
             prompt, typed_p = _text_or_conversation(row["prompt"], at, "prompt", "user")
-            completion, typed_c = _text_or_conversation(row["completion"], at, "completion", "assistant")
-            messages, typed, used = prompt + completion, typed_p or typed_c, ("prompt", "completion")
+            completion, _ = _text_or_conversation(row["completion"], at, "completion", "assistant")
+            # Images go where the prompt is plain text, whatever form the answer takes (TRL decides per
+            # message too): a plain question with a typed answer is common in converted datasets.
+            messages, typed, used = prompt + completion, typed_p, ("prompt", "completion")
         else:
             messages, typed = _conversation(_require(row, at, "messages"), at, "messages")
             used = ("messages",)
@@ -249,8 +251,8 @@ def normalize_row(
             if isinstance(chosen_raw, str) or isinstance(rejected_raw, str):
                 _require(row, at, "prompt")  # an implicit prompt needs conversations to split
             # TRL's implicit-prompt form: full conversations; the shared prefix is the prompt.
-            chosen, typed_c = _conversation(chosen_raw, at, "chosen")
-            rejected, typed_r = _conversation(rejected_raw, at, "rejected")
+            chosen, _ = _conversation(chosen_raw, at, "chosen")
+            rejected, _ = _conversation(rejected_raw, at, "rejected")
             n = _common_prefix(chosen, rejected)
             if n == 0:
                 at.fail(
@@ -260,12 +262,13 @@ def normalize_row(
                 at.fail(
                     "chosen", "wrong_type", "'chosen' and 'rejected' do not differ after their shared prompt"
                 )
-            prompt, chosen, rejected, typed = chosen[:n], chosen[n:], rejected[n:], typed_c or typed_r
+            prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+            typed = any(not isinstance(m.get("content"), str) for m in chosen_raw[:n])
         else:
             prompt, typed_p = _text_or_conversation(row["prompt"], at, "prompt", "user")
-            chosen, typed_c = _text_or_conversation(chosen_raw, at, "chosen", "assistant")
-            rejected, typed_r = _text_or_conversation(rejected_raw, at, "rejected", "assistant")
-            typed = typed_p or typed_c or typed_r
+            chosen, _ = _text_or_conversation(chosen_raw, at, "chosen", "assistant")
+            rejected, _ = _text_or_conversation(rejected_raw, at, "rejected", "assistant")
+            typed = typed_p  # the answers' form does not say where the prompt's images go
         for column, messages in (("chosen", chosen), ("rejected", rejected)):
             if any(m["role"] != "assistant" for m in messages):
                 at.fail(column, "wrong_type", f"'{column}' must hold assistant messages only")
@@ -278,13 +281,11 @@ def normalize_row(
         used = ("prompt", "chosen", "rejected")
     elif shape == "unpaired":
         prompt, typed_p = _text_or_conversation(_require(row, at, "prompt"), at, "prompt", "user")
-        completion, typed_c = _text_or_conversation(
-            _require(row, at, "completion"), at, "completion", "assistant"
-        )
+        completion, _ = _text_or_conversation(_require(row, at, "completion"), at, "completion", "assistant")
         if any(m["role"] != "assistant" for m in completion):
             at.fail("completion", "wrong_type", "'completion' must hold assistant messages only")
         out["label"] = _label(row, at)
-        if images and not (typed_p or typed_c):
+        if images and not typed_p:
             _insert_image_blocks(prompt, len(images))
         _check_count(at, "prompt", _count_images(prompt) + _count_images(completion), len(images))
         out.update(prompt=prompt, completion=completion)
