@@ -14,7 +14,13 @@ from helpers import ROOT, base_name, compose_train, trained_by_lora
 from lightning_vlm.data.synthetic import synthetic_rows
 from lightning_vlm.methods.dpo import DPO
 from lightning_vlm.methods.preference_batch import encode_pairs, split_pairs
-from lightning_vlm.methods.reference_cache import ReferenceLogpCache, model_key, row_key, weights_fingerprint
+from lightning_vlm.methods.reference_cache import (
+    ReferenceLogpCache,
+    model_key,
+    processor_fingerprint,
+    row_key,
+    weights_fingerprint,
+)
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
 from lightning_vlm.training import train
@@ -114,6 +120,12 @@ def test_precomputed_reference_is_reused_and_releases_the_copy(tmp_path):
     stored = cache.get(rows)
     torch.testing.assert_close(stored[0].float(), chosen, atol=1e-4, rtol=0)
     torch.testing.assert_close(stored[1].float(), rejected, atol=1e-4, rtol=0)
+    # The file's key: the start's path and weights, max_length, and the processor's settings
+    settings = {
+        "max_length": out["cfg"].method.max_length,
+        "processor": processor_fingerprint(fresh.processor),
+    }
+    assert cache.key == model_key(fresh.model_name_or_path, weights_fingerprint(fresh.model), **settings)
 
 
 def test_changed_row_or_model_does_not_reuse_stale_values(vlm, tmp_path):
@@ -144,6 +156,26 @@ def test_changed_row_or_model_does_not_reuse_stale_values(vlm, tmp_path):
     assert model_key("m", weights_fingerprint(vlm.model), max_length=64) != key
     with pytest.raises(KeyError, match="row 0 of the batch has no precomputed"):
         ReferenceLogpCache(tmp_path, new_key).get(rows)
+
+
+def test_a_changed_image_resolution_or_template_is_another_reference_key(vlm):
+    # The same weights with fewer image tokens (max_pixels) give other reference log-probs: a shared
+    # ref_cache_dir must not hand them the values of a run at the old resolution.
+    from transformers import AutoProcessor
+
+    path = vlm.model_name_or_path
+    same = processor_fingerprint(AutoProcessor.from_pretrained(path))
+    assert processor_fingerprint(vlm.processor) == same  # loaded twice: one key
+    smaller = AutoProcessor.from_pretrained(path, max_pixels=3136)
+    assert processor_fingerprint(smaller) != same
+    templated = AutoProcessor.from_pretrained(path)
+    templated.chat_template = templated.chat_template.replace("assistant", "model")
+    assert processor_fingerprint(templated) != same
+    weights = weights_fingerprint(vlm.model)
+    keys = {
+        model_key(path, weights, max_length=None, processor=f) for f in (same, processor_fingerprint(smaller))
+    }
+    assert len(keys) == 2
 
 
 def test_lora_trains_adapters_only_and_its_reference_is_the_base(tmp_path):

@@ -25,7 +25,12 @@ from lightning_vlm.methods.common import (
 )
 from lightning_vlm.methods.completions import CompletionRecorder, answer_samples
 from lightning_vlm.methods.preference_batch import encode_pairs, split_pairs
-from lightning_vlm.methods.reference_cache import ReferenceLogpCache, model_key, weights_fingerprint
+from lightning_vlm.methods.reference_cache import (
+    ReferenceLogpCache,
+    model_key,
+    processor_fingerprint,
+    weights_fingerprint,
+)
 from lightning_vlm.methods.step_window import StepWindow, window_of
 from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_tokens
 from lightning_vlm.models.reference import ReferenceModel
@@ -111,7 +116,8 @@ class DPO(FactoryOptimized):
         if self.ref_cache is None:
             hp = self.hparams
             directory = hp.ref_cache_dir or Path(self.trainer.default_root_dir) / "ref_logps"
-            key = model_key(self.vlm.model_name_or_path, self._ref_fingerprint, max_length=hp.max_length)
+            key = model_key(self.vlm.model_name_or_path, self._ref_fingerprint, max_length=hp.max_length,
+                            processor=processor_fingerprint(self.vlm.processor))  # fmt: skip
             self.ref_cache = ReferenceLogpCache(directory, key, rank=self.global_rank)
         return self.ref_cache
 

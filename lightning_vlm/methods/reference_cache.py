@@ -3,8 +3,9 @@
 Other libraries refuse to precompute for image data because a row's text alone does not identify
 it. Here every entry is keyed by the row's full content, image pixels included (:func:`row_key`),
 and each file by the reference model (:func:`model_key`: model path, a fingerprint of every
-reference weight, the encoding settings). A changed image, answer, checkpoint or max_length
-therefore misses the cache and is recomputed; nothing is ever invalidated by hand.
+reference weight, the processor's settings and chat template, the encoding settings). A changed image,
+answer, checkpoint, image resolution or max_length therefore misses the cache and is recomputed; nothing
+is ever invalidated by hand.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 from PIL import Image
+from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 # Bump when the meaning of a stored value changes (e.g. how answers are tokenised).
 FORMAT_VERSION = 1
@@ -55,6 +57,17 @@ def weights_fingerprint(model: torch.nn.Module, skip: tuple[str, ...] = ("lora_"
         # Raw bytes: any change of any value changes the digest (bf16 has no numpy view, hence the cast).
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def processor_fingerprint(processor: ProcessorMixin | PreTrainedTokenizerBase) -> str:
+    """A digest of the processor's settings and chat template: ``max_pixels``, tiling or a template change
+    the tokens an image or a prompt becomes, hence the reference log-probs, for the same weights."""
+    if isinstance(processor, ProcessorMixin):
+        settings = processor.to_json_string()  # every sub-processor's settings, keys sorted
+    else:
+        settings = json.dumps(processor.init_kwargs, sort_keys=True, default=str)
+    template = json.dumps(processor.chat_template, sort_keys=True, default=str)
+    return hashlib.sha256(f"{settings}\n{template}".encode()).hexdigest()
 
 
 def model_key(name_or_path: str, fingerprint: str, **settings) -> str:
