@@ -99,3 +99,16 @@ def test_candidates_pair_the_best_with_the_worst():
     # group 0: best index 1 (first of the two 1.0s), worst 0; group 1 all tie: (4, 4), a skipped pair;
     # group 2: NaN is never picked while scored values exist
     assert best_and_worst(rewards, 4) == [1, 0, 4, 4, 11, 9]
+
+
+def test_pair_metrics_are_pooled_over_the_steps_valid_pairs_whatever_the_micro_batches(setup):
+    # One pair per micro-batch, three of them ties (skipped): the metrics are those of the one valid pair,
+    # as without micro-batches. A mean per micro-batch counted the ties' micro-batches as 0 (0.125).
+    path, rows, rollouts = setup
+    settings = {"reward_funcs": [table_reward(rollouts, REWARDS)], "beta": BETA}
+    _, whole = step_update(path, OnlineDPO, rows, rollouts, **settings)
+    _, split = step_update(path, OnlineDPO, rows, rollouts, micro_batch_size=2, **settings)
+    assert whole["train/valid_pair_frac"] == split["train/valid_pair_frac"] == pytest.approx(1 / 4)
+    assert split["train/rewards/accuracies"] == pytest.approx(0.5)
+    for name in ("rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected", "loss"):
+        assert split[f"train/{name}"] == pytest.approx(whole[f"train/{name}"], rel=1e-5, abs=1e-6), name

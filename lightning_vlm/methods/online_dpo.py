@@ -156,7 +156,10 @@ class OnlineDPO(OnlineRL):
         per_pair = per_example_loss(self.hparams.loss_type, inputs, self.hparams.beta)
         loss = (per_pair * valid).sum() / step.counts["pairs"]
         with torch.no_grad():
-            n = valid.sum().clamp(min=1)
+            # Pooled over the step's valid pairs of every rank, as the loss: a micro-batch (or rank) of
+            # ties must not add zeros. The loop weighs a micro-batch's stats by its share of the step's
+            # completions (online.py); this undoes that weight.
+            n = step.counts["pairs"] * len(index) / len(step.index)
             margin = logratio_margin(
                 inputs.policy_chosen_logps, inputs.policy_rejected_logps, inputs.ref_chosen_logps,
                 inputs.ref_rejected_logps,
