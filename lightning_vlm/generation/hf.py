@@ -15,6 +15,7 @@ from lightning_vlm.generation.base import (
     cut_at_eos,
     torch_seeded,
 )
+from lightning_vlm.models.modes import evaluating
 from lightning_vlm.models.vision_every_rank import gathers_weights
 from lightning_vlm.models.vlm import PRIVATE_KEYS, VLM
 from lightning_vlm.parallel.collectives import world_size
@@ -112,15 +113,8 @@ class HFGenerator(OwnWeightsGenerator):
         # tower does not run G times. Greedy copies are identical: decode once, repeat the result.
         copies = 1 if sampling.greedy else num_generations
         config.num_return_sequences = copies
-        was_training = vlm.model.training
-        vlm.model.eval()
-        try:
-            with torch.no_grad():
-                out = vlm.model.generate(
-                    **model_inputs, generation_config=config, synced_gpus=synced_gpus(vlm)
-                )
-        finally:
-            vlm.model.train(was_training)
+        with evaluating(vlm.model), torch.no_grad():
+            out = vlm.model.generate(**model_inputs, generation_config=config, synced_gpus=synced_gpus(vlm))
         new = out.sequences[:, model_inputs["input_ids"].shape[1] :]
         # Scores are the processed logits the token was drawn from (suppression, temperature, top-k/p).
         step_logps = torch.stack(out.scores, dim=1).float().log_softmax(-1) if out.scores else None

@@ -14,6 +14,7 @@ import copy
 
 import torch
 
+from .modes import evaluating
 from .vlm import VLM
 
 
@@ -38,13 +39,8 @@ class ReferenceModel:
             yield self.copy
             return
         model = self.vlm.model
-        was_training = model.training
-        model.eval()
-        try:
-            with model.disable_adapter():
-                yield self.vlm.hf_model
-        finally:
-            model.train(was_training)
+        with evaluating(model), model.disable_adapter():
+            yield self.vlm.hf_model
 
     @torch.no_grad()
     def token_logps(
