@@ -60,3 +60,37 @@ def test_a_prompt_written_as_blocks_places_its_own_images(image):
     typed = [{"role": "user", "content": [text("Colour?")]}]
     with pytest.raises(RowError, match="0 \\{'type': 'image'\\} block\\(s\\) in the messages but 1 image"):
         normalize_row({"prompt": typed, "completion": "red", "images": [image]}, "sft")
+
+
+def test_a_plain_user_turn_takes_the_images_whatever_form_the_other_turns_take(image):
+    # the `messages` form: a plain question, a typed answer
+    row = {"messages": [{"role": "user", "content": "Colour?"}, *said("red")], "images": [image]}
+    out = normalize_row(row, "sft")
+    assert [m["content"] for m in out["messages"]] == [[IMG, text("Colour?")], [text("red")]]
+
+    # a typed system turn before a plain question: the question is where the images go
+    system = {"role": "system", "content": [text("Answer in one word.")]}
+    row = {"prompt": [system, {"role": "user", "content": "Colour?"}], "images": [image]}
+    out = normalize_row(row, "prompt")
+    assert [m["content"] for m in out["prompt"]] == [[text("Answer in one word.")], [IMG, text("Colour?")]]
+
+
+def test_images_placed_in_a_later_turn_stay_there(image):
+    # a plain first question, the image block in a later typed turn: the row says where it goes
+    later = {"role": "user", "content": [IMG, text("And now?")]}
+    messages = [{"role": "user", "content": "Hi"}, *said("Hello"), later, *said("red")]
+    out = normalize_row({"messages": messages, "images": [image]}, "sft")
+    assert [m["content"] for m in out["messages"]] == [
+        [text("Hi")],
+        [text("Hello")],
+        [IMG, text("And now?")],
+        [text("red")],
+    ]
+    first = {"role": "user", "content": "Hi"}
+    row = {
+        "chosen": [first, later, *said("red")],
+        "rejected": [first, later, *said("blue")],
+        "images": [image],
+    }
+    out = normalize_row(row, "preference")
+    assert [m["content"] for m in out["prompt"]] == [[text("Hi")], [IMG, text("And now?")]]

@@ -82,33 +82,33 @@ def _block(block: Any, at: _Row, column: str, where: str) -> dict:
     at.fail(column, "wrong_type", f"{where} has type {kind!r}; expected 'text' or 'image'")
 
 
-def _conversation(value: Any, at: _Row, column: str) -> tuple[list[dict], bool]:
-    """Normalised messages, and whether any content was given as typed blocks (not plain strings)."""
+def _conversation(value: Any, at: _Row, column: str) -> tuple[list[dict], list[bool]]:
+    """Normalised messages, and for each whether its content was a plain string (not typed blocks)."""
     if not isinstance(value, Sequence) or isinstance(value, str) or not value:
         at.fail(column, "wrong_type", f"expected a non-empty list of messages, got {type(value).__name__}")
-    messages, typed = [], False
+    messages, plain = [], []
     for i, message in enumerate(value):
         if not isinstance(message, Mapping):
             at.fail(column, "wrong_type", f"message {i} must be a dict with 'role' and 'content'")
         if not isinstance(message.get("role"), str):
             at.fail(column, "wrong_type", f"message {i} has no string 'role'")
         content = message.get("content")
+        plain.append(isinstance(content, str))
         if isinstance(content, str):
             blocks = [{"type": "text", "text": content}]
-        elif isinstance(content, Sequence) and not isinstance(content, str):
-            typed = True
+        elif isinstance(content, Sequence):
             blocks = [_block(b, at, column, f"message {i}, block {j}") for j, b in enumerate(content)]
         else:
             at.fail(column, "wrong_type", f"message {i} content must be a string or a list of blocks")
         # Stored datasets fill missing keys with None (Arrow unifies the struct); those are not data.
         extra = {k: v for k, v in message.items() if v is not None and k not in ("role", "content")}
         messages.append({"role": message["role"], "content": blocks, **extra})
-    return messages, typed
+    return messages, plain
 
 
-def _text_or_conversation(value: Any, at: _Row, column: str, role: str) -> tuple[list[dict], bool]:
+def _text_or_conversation(value: Any, at: _Row, column: str, role: str) -> tuple[list[dict], list[bool]]:
     if isinstance(value, str):
-        return [{"role": role, "content": [{"type": "text", "text": value}]}], False
+        return [{"role": role, "content": [{"type": "text", "text": value}]}], [True]
     return _conversation(value, at, column)
 
 
@@ -116,11 +116,18 @@ def _count_images(messages: list[dict]) -> int:
     return sum(b["type"] == "image" for m in messages for b in m["content"])
 
 
-def _insert_image_blocks(messages: list[dict], n: int) -> None:
-    # Plain-string conversations cannot say where images go; like TRL, put them first in the first
-    # user turn (the only place a chat template can take them without a placeholder).
-    target = next((m for m in messages if m["role"] == "user"), messages[0])
-    target["content"] = [{"type": "image"} for _ in range(n)] + target["content"]
+def _place_images(messages: list[dict], plain: list[bool], n: int, *others: list[dict]) -> None:
+    """Put ``n`` image blocks first in the first user turn (``messages[0]`` without one), if the row
+    has not placed them itself: that turn was a plain string and no message here or in ``others``
+    holds an image block.
+
+    A plain string cannot say where images go; like TRL (which decides per message), they go where a
+    chat template takes them without a placeholder. A typed target turn, or an image block anywhere
+    (say in a later turn), means the row placed its images, and the count check judges that.
+    """
+    at = next((i for i, m in enumerate(messages) if m["role"] == "user"), 0)
+    if n and plain[at] and not any(_count_images(m) for m in (messages, *others)):
+        messages[at]["content"] = [{"type": "image"} for _ in range(n)] + messages[at]["content"]
 
 
 def _resolve(path: str | os.PathLike, base_dir: Path | None) -> str:
@@ -232,16 +239,13 @@ def normalize_row(
             and row.get("completion") is not None
         ):
             # TRL's prompt-completion form: the completion is what is trained on.
-            prompt, typed_p = _text_or_conversation(row["prompt"], at, "prompt", "user")
-            completion, _ = _text_or_conversation(row["completion"], at, "completion", "assistant")
-            # Images go where the prompt is plain text, whatever form the answer takes (TRL decides per
-            # message too): a plain question with a typed answer is common in converted datasets.
-            messages, typed, used = prompt + completion, typed_p, ("prompt", "completion")
+            prompt, plain_p = _text_or_conversation(row["prompt"], at, "prompt", "user")
+            completion, plain_c = _text_or_conversation(row["completion"], at, "completion", "assistant")
+            messages, plain, used = prompt + completion, plain_p + plain_c, ("prompt", "completion")
         else:
-            messages, typed = _conversation(_require(row, at, "messages"), at, "messages")
+            messages, plain = _conversation(_require(row, at, "messages"), at, "messages")
             used = ("messages",)
-        if images and not typed:
-            _insert_image_blocks(messages, len(images))
+        _place_images(messages, plain, len(images))
         _check_count(at, used[0], _count_images(messages), len(images))
         _check_answer(at, used[-1], messages)
         out["messages"] = messages
@@ -251,7 +255,7 @@ def normalize_row(
             if isinstance(chosen_raw, str) or isinstance(rejected_raw, str):
                 _require(row, at, "prompt")  # an implicit prompt needs conversations to split
             # TRL's implicit-prompt form: full conversations; the shared prefix is the prompt.
-            chosen, _ = _conversation(chosen_raw, at, "chosen")
+            chosen, plain = _conversation(chosen_raw, at, "chosen")
             rejected, _ = _conversation(rejected_raw, at, "rejected")
             n = _common_prefix(chosen, rejected)
             if n == 0:
@@ -262,38 +266,33 @@ def normalize_row(
                 at.fail(
                     "chosen", "wrong_type", "'chosen' and 'rejected' do not differ after their shared prompt"
                 )
-            prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
-            typed = any(not isinstance(m.get("content"), str) for m in chosen_raw[:n])
+            prompt, chosen, rejected, plain = chosen[:n], chosen[n:], rejected[n:], plain[:n]
         else:
-            prompt, typed_p = _text_or_conversation(row["prompt"], at, "prompt", "user")
+            prompt, plain = _text_or_conversation(row["prompt"], at, "prompt", "user")
             chosen, _ = _text_or_conversation(chosen_raw, at, "chosen", "assistant")
             rejected, _ = _text_or_conversation(rejected_raw, at, "rejected", "assistant")
-            typed = typed_p  # the answers' form does not say where the prompt's images go
         for column, messages in (("chosen", chosen), ("rejected", rejected)):
             if any(m["role"] != "assistant" for m in messages):
                 at.fail(column, "wrong_type", f"'{column}' must hold assistant messages only")
-        if images and not typed:
-            _insert_image_blocks(prompt, len(images))
+        _place_images(prompt, plain, len(images), chosen, rejected)
         in_prompt = _count_images(prompt)
         _check_count(at, "prompt", in_prompt + _count_images(chosen), len(images))
         _check_count(at, "prompt", in_prompt + _count_images(rejected), len(images))
         out.update(prompt=prompt, chosen=chosen, rejected=rejected)
         used = ("prompt", "chosen", "rejected")
     elif shape == "unpaired":
-        prompt, typed_p = _text_or_conversation(_require(row, at, "prompt"), at, "prompt", "user")
+        prompt, plain = _text_or_conversation(_require(row, at, "prompt"), at, "prompt", "user")
         completion, _ = _text_or_conversation(_require(row, at, "completion"), at, "completion", "assistant")
         if any(m["role"] != "assistant" for m in completion):
             at.fail("completion", "wrong_type", "'completion' must hold assistant messages only")
         out["label"] = _label(row, at)
-        if images and not typed_p:
-            _insert_image_blocks(prompt, len(images))
+        _place_images(prompt, plain, len(images), completion)
         _check_count(at, "prompt", _count_images(prompt) + _count_images(completion), len(images))
         out.update(prompt=prompt, completion=completion)
         used = ("prompt", "completion", "label")
     else:
-        prompt, typed = _text_or_conversation(_require(row, at, "prompt"), at, "prompt", "user")
-        if images and not typed:
-            _insert_image_blocks(prompt, len(images))
+        prompt, plain = _text_or_conversation(_require(row, at, "prompt"), at, "prompt", "user")
+        _place_images(prompt, plain, len(images))
         _check_count(at, "prompt", _count_images(prompt), len(images))
         out["prompt"] = prompt
         used = ("prompt",)
