@@ -9,6 +9,7 @@ from functools import partial
 
 import pytest
 import torch
+from hydra.utils import instantiate
 
 from helpers import ROOT, base_name, compose_train, trained_by_lora
 from lightning_vlm.data.synthetic import synthetic_rows
@@ -98,12 +99,14 @@ def test_real_model_mpo_composes(tmp_path):
     assert cfg.monitor == "val/rewards/accuracies"
 
 
-def test_precomputed_reference_is_reused_and_releases_the_copy(tmp_path):
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_precomputed_reference_is_reused_and_releases_the_copy(precision, tmp_path):
     overrides = [
         *SHORT,
         "method=dpo",
         "method.precompute_ref_logps=true",
         f"method.ref_cache_dir={tmp_path / 'c'}",
+        f"trainer.precision={precision}",
     ]
     _, out = train(compose_train(overrides, tmp_path))
     module = out["module"]
@@ -111,10 +114,13 @@ def test_precomputed_reference_is_reused_and_releases_the_copy(tmp_path):
     cache = module.ref_cache
     assert len(cache) == 16 + 4 and list((tmp_path / "c").glob("ref-logps-*.pt"))
     # The stored values are the reference's: recompute a few rows with a fresh frozen copy of the start.
-    fresh = VLM(out["cfg"].model.model_name_or_path, **{"freeze_vision_tower": False})
+    fresh = instantiate(out["cfg"].model)  # the run's settings: eager and sdpa attention differ in bf16
     rows = [out["datamodule"].train_dataset[i] for i in range(3)]
     batch = encode_pairs(fresh, rows)
-    with torch.no_grad():
+    # Under mixed precision the policy runs in autocast, so its reference must too: values computed in
+    # fp32 would shift every step's log-ratio by their rounding difference (~1e-3 nats here).
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16-mixed")
+    with torch.no_grad(), autocast:
         logps, _ = ReferenceModel(fresh).token_logps(batch.inputs, batch.completion_mask)
     chosen, rejected = split_pairs(logps.sum(dim=1))
     stored = cache.get(rows)

@@ -159,11 +159,15 @@ class DPO(FactoryOptimized):
             return
         cache = self._cache()
         # Every rank computes a disjoint share of all rows, so together the ranks cover the rows any
-        # of them will meet in any epoch (the shards of the shuffled order change every epoch).
-        for loader in self.trainer.datamodule.shard_dataloaders(val=self.trainer.limit_val_batches != 0):
-            for rows in loader:
-                if cache.missing(rows):
-                    self._reference_logps(rows, self._encode(rows))
+        # of them will meet in any epoch (the shards of the shuffled order change every epoch). Hooks
+        # run outside the precision context that steps get: enter it, so that under mixed precision
+        # the stored values are what the live reference would give in a step (autocast), not fp32's.
+        loaders = self.trainer.datamodule.shard_dataloaders(val=self.trainer.limit_val_batches != 0)
+        with self.trainer.precision_plugin.forward_context():
+            for loader in loaders:
+                for rows in loader:
+                    if cache.missing(rows):
+                        self._reference_logps(rows, self._encode(rows))
         cache.save()
         # Every rank takes the others' values (no shared filesystem or common run folder needed).
         for values in all_gather_object(cache.values):
