@@ -99,6 +99,8 @@ TRAIN_CASES = [
     (["method=grpo", "method.use_bias_correction_kl=true"], InstantiationException, r"needs method\.beta > 0", NEW),
     (["method=kto", "method.loss_type=sigmoid"], InstantiationException, r"method\.loss_type must be one of \('kto'", NEW),
     (["method=online_dpo", "method.num_candidates=1"], InstantiationException, r"num_candidates .* must be >= 2", NEW),
+    (["method=online_dpo", "method.vllm_importance_sampling_correction=true"], InstantiationException,
+     r"set method\.vllm_importance_sampling_correction=false", NEW),
 ]  # fmt: skip
 
 
@@ -151,6 +153,8 @@ DIRECT_CASES = [
     (lambda vlm, tmp: RLOO(vlm, optimizer=sgd(), num_generations=1), ValueError, r"num_generations >= 2"),
     (lambda vlm, tmp: GRPO(vlm, optimizer=sgd(), num_generations=1), ValueError, r"num_generations must be >= 2"),
     (lambda vlm, tmp: OnlineDPO(vlm, optimizer=sgd(), micro_batch_size=3), ValueError, r"micro_batch_size must be even"),
+    (lambda vlm, tmp: OnlineDPO(vlm, optimizer=sgd(), vllm_importance_sampling_correction=True), ValueError,
+     r"Online DPO applies no importance-sampling correction"),
     (lambda vlm, tmp: group_advantages(torch.zeros(8), 3), ValueError, r"groups of num_generations=3"),
     # a reward beyond float32 (the scores' dtype) would become inf there; a weighted total too
     (lambda vlm, tmp: RewardScorer([_huge_reward])(["a", "b"]), RewardFunctionError,
@@ -162,6 +166,7 @@ DIRECT_CASES = [
 
 DIRECT_IDS = ["vlm-missing-folder", "vlm-file", "sft-max_length", "scorer-weights", "scorer-unknown-name",
               "grpo-num_generations", "rloo-num_generations", "grpo-group-of-one", "online_dpo-odd-micro_batch",
+              "online_dpo-is-correction",
               "groups-not-dividing", "reward-beyond-float32", "weighted-total-beyond-float32"]  # fmt: skip
 
 

@@ -112,3 +112,23 @@ def test_pair_metrics_are_pooled_over_the_steps_valid_pairs_whatever_the_micro_b
     assert split["train/rewards/accuracies"] == pytest.approx(0.5)
     for name in ("rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected", "loss"):
         assert split[f"train/{name}"] == pytest.approx(whole[f"train/{name}"], rel=1e-5, abs=1e-6), name
+
+
+def test_online_dpo_runs_no_old_policy_pass_under_another_sampler_or_several_steps(setup):
+    # Its loss reads the current and the reference log-probs only: neither a vLLM-like sampler (not the
+    # policy) nor 2 optimizer steps per generation may cost a third pass over the completions.
+    from online_helpers import FixedGenerator, fit_steps, sgd
+
+    path, rows, rollouts = setup
+    vlm = VLM(path)
+    module = OnlineDPO(vlm, optimizer=sgd(1e-3), num_generations=2, num_candidates=2, beta=BETA,
+                       steps_per_generation=2, max_completion_length=max(LENGTHS),
+                       reward_funcs=[table_reward(rollouts, REWARDS)])  # fmt: skip
+    module.generator = FixedGenerator(rollouts, is_policy=False)
+    forwards = []
+    # after construction: the reference is a copy made then, without this hook
+    vlm.model.get_input_embeddings().register_forward_hook(lambda *_: forwards.append(1))
+    trainer = fit_steps(module, rows, steps=2)
+    assert trainer.global_step == 2 and module.generator.calls == 1
+    assert len(forwards) == 2, "one policy forward per optimizer step, none for old log-probs"
+    assert not any(k.startswith("train/is_ratio") for k in trainer.callback_metrics)

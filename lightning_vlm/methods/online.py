@@ -120,6 +120,11 @@ class OnlineRL(RolloutSampling):
         return self.hparams.beta > 0
 
     @property
+    def reads_old_logps(self) -> bool:
+        """Whether the loss takes a ratio to the sampling policy (old log-probs); Online DPO's does not."""
+        return True
+
+    @property
     def policy_moves(self) -> bool:
         """Whether the policy can change between generation and a loss (then old log-probs are needed)."""
         return self.hparams.num_iterations > 1 or self.hparams.steps_per_generation > 1
@@ -154,7 +159,7 @@ class OnlineRL(RolloutSampling):
         correct = hp.vllm_importance_sampling_correction and not self.sampler_is_policy(rollouts)
         if correct and batch.sampler_logps is None:
             raise ValueError("vllm_importance_sampling_correction needs the generator's per-token logprobs")
-        if self.policy_moves or correct:
+        if (self.policy_moves and self.reads_old_logps) or correct:
             batch.old_logps = self.frozen_logps(batch, reference=False)
         if self.needs_reference:
             batch.ref_logps = self.frozen_logps(batch, reference=True)

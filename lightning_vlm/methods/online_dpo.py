@@ -56,6 +56,7 @@ class OnlineDPO(OnlineRL):
         loss_type: str = "sigmoid",
         missing_eos_penalty: float | None = None,
         num_candidates: int = 4,
+        vllm_importance_sampling_correction: bool = False,
         **online: Unpack[OnlineKwargs],
     ) -> None:
         if num_generations != 2:
@@ -69,14 +70,29 @@ class OnlineDPO(OnlineRL):
             raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
         if not beta > 0:
             raise ValueError(f"Online DPO needs beta > 0 (the loss scales by it), got {beta}")
+        # DPO's loss compares the pair's log-ratios to the reference; it is not a policy-gradient estimate
+        # over the sampler's distribution, so a sampler/trainer IS weight has nothing to reweigh (TRL's
+        # OnlineDPOTrainer has none). Accepting the setting would cost a forward pass and change nothing.
+        if vllm_importance_sampling_correction:
+            raise ValueError(
+                "Online DPO applies no importance-sampling correction (its DPO loss takes no ratio to the "
+                "sampler): set method.vllm_importance_sampling_correction=false"
+            )
         micro = online.get("micro_batch_size")
         if micro is not None and micro % 2:
             raise ValueError(f"micro_batch_size must be even so pairs stay together, got {micro}")
-        super().__init__(vlm, optimizer, num_generations=num_generations, beta=beta, **online)
+        super().__init__(vlm, optimizer, num_generations=num_generations, beta=beta,
+                         vllm_importance_sampling_correction=False, **online)  # fmt: skip
 
     @property
     def needs_reference(self) -> bool:
         return True
+
+    @property
+    def reads_old_logps(self) -> bool:
+        # Its loss reads the current and the reference log-probs only, also when the policy moves
+        # between generation and loss (num_iterations or steps_per_generation > 1): no old-policy pass.
+        return False
 
     @property
     def step_unit(self) -> int:
