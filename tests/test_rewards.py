@@ -186,6 +186,15 @@ def test_partials_are_named_after_their_function():
     assert reward_name(short) == "length_reward"
     scorer = RewardScorer([short, nested, "accuracy_reward", "lightning_vlm.rewards.think_format_reward"])
     assert scorer.names == ["length_reward", "length_reward_2", "accuracy_reward", "think_format_reward"]
+
+    # a function already named like a renamed duplicate keeps its name; the duplicate takes the next
+    def f(completions, **kwargs):
+        return [1.0 for _ in completions]
+
+    def f_2(completions, **kwargs):
+        return [2.0 for _ in completions]
+
+    assert RewardScorer([f, f, f_2]).names == ["f", "f_3", "f_2"]
     per_function, _ = scorer(["abcdef"], {"solution": ["abcdef"]})
     assert per_function.tolist() == [[-1.0, 0.0, 1.0, 0.0]]
 

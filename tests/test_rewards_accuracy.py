@@ -22,6 +22,19 @@ from lightning_vlm.rewards.accuracy import answers_match, normalize
         ("(B)", "b", True),
         ("C.", "B", False),
         ("", "red", False),
+        # numbers inside text keep their sign, decimals and fractions (punctuation elsewhere goes)
+        ("2.5 hours", "25 hours", False),
+        ("x = -3", "x = 3", False),
+        ("-3 degrees", "3 degrees", False),
+        ("$3.50", "$350", False),
+        ("1/2", "12", False),
+        ("<answer>-5.</answer>", "5", False),
+        ("5.", "5", True),
+        ("$3.50", "$3.5", True),
+        ("1/2 cup", "0.5 cup", True),
+        ("1,000 km", "1000 km", True),
+        ("\u22127", "-7", True),  # the Unicode minus sign
+        ("\u22127 degrees", "7 degrees", False),
     ],
 )
 def test_answers_match(completion, solution, expected):

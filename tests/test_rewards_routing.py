@@ -52,6 +52,15 @@ def test_names_settings_and_a_scorer_of_mixed_rows():
     assert scorer.total(scores).tolist() == [1.0, 1.0, 0.0]
 
 
+def test_tasks_written_as_numbers_route_like_their_text():
+    # Hydra reads `task: 1` as an int; a column may hold 1 or "1": both are task 1
+    for task in (1, [1], "1", ["1"]):
+        routed = TaskReward(count_reward, task=task)(
+            ["two", "two", "two"], solution=[2, 2, 2], task=[1, "1", 2]
+        )
+        assert routed == [1.0, 1.0, None], task
+
+
 def test_bad_uses_name_the_problem():
     with pytest.raises(ValueError, match="routes by the column 'task'.*columns given were \\['solution'\\]"):
         TaskReward(count_reward, task="count")(["two"], solution=["two"])

@@ -124,6 +124,13 @@ def test_box_rewards_in_normalized_and_pixel_coordinates_agree():
     assert norm1000 == pytest.approx([(1 / 7 - 2 / 9 + 1) / 2])
     # A normalised completion past the image edge is clipped to it.
     assert iou_reward(["[0.5, 0.5, 1.5, 1.5]"], ["[0.5, 0.5, 1, 1]"], coordinates="normalized") == [1.0]
+    # One wholly past the edge has no area left in the image: the floor, as no box, not the GIoU of
+    # a sliver on the border (0.5, more than a wrong box inside the image earns).
+    beyond = ["[1.5, 1.5, 2, 2]", "[0, 0, 0.1, 0.1]"]
+    rewards = giou_reward(beyond, ["[0.5, 0.5, 1, 1]"] * 2, coordinates="normalized")
+    assert rewards[0] == 0.0 and 0.0 < rewards[1] < 0.5
+    assert giou_reward(["(1100,1100),(1200,1200)"], [[500, 500, 1000, 1000]], coordinates="norm1000") == [0.0]
+    assert iou_reward(beyond[:1], ["[0.5, 0.5, 1, 1]"], coordinates="normalized") == [0.0]
     # xywh applies to the solution too.
     assert iou_reward(["[1, 1, 2, 2]"], ["[1, 1, 2, 2]"], box_format="xywh") == [1.0]
 
@@ -190,6 +197,8 @@ def test_count_reward_words_and_digits():
         ("50%", 50.0),
         ("about .5 m", 0.5),
         ("x = 1e-3", 1e-3),
+        ("\u22127", -7.0),  # the Unicode minus sign
+        ("area 12 cm^2", 12.0),  # a unit's exponent is not a number of the answer
     ],
 )
 def test_parse_number(text, value):
@@ -222,6 +231,9 @@ def test_numeric_reward_tolerance_edges():
         "1/0",
     ]
     assert numeric_reward(hedges, [48] * 5, abs_tol=4) == [0.0, 1.0, 1.0, 1.0, 0.0]
+    # units: an exponent or a digit glued to a unit ("m2", "cm^2") is not a second number
+    units = ["<answer>12 cm^2</answer>", "3 m2", "12 m^2 or 13 m^2", "\u22127", "-7"]
+    assert numeric_reward(units, [12, 3, 12, 7, "\u22127"]) == [1.0, 1.0, 0.0, 0.0, 1.0]
     with pytest.raises(ValueError, match=r"numeric_reward: row 0: cannot read a number"):
         numeric_reward(["5"], ["five"])
     with pytest.raises(ValueError, match="tolerances"):
@@ -260,6 +272,18 @@ def test_parse_choice(text, letter):
     assert parse_choice(text) == letter
 
 
+def test_the_pronoun_i_is_not_option_i():
+    ten = "ABCDEFGHIJ"  # ten options (MMLU-Pro): "I" is one of them
+    assert parse_choice("I think the answer is B.", ten) == "B"
+    assert parse_choice("I pick C", ten) == "C"
+    assert parse_choice("I'm sure it is C", ten) == "C"
+    assert parse_choice("I is correct", ten) == "I"
+    assert parse_choice("The answer is I.", ten) == "I"
+    assert parse_choice("(I)", ten) == "I"
+    assert parse_choice("I", ten) == "I"
+    assert multiple_choice_reward(["I think the answer is B."], ["B"], choices=ten) == [1.0]
+
+
 def test_multiple_choice_reward():
     completions = ["(B)", "answer is c", "B or C", "D", [{"role": "assistant", "content": "Answer: A"}]]
     assert multiple_choice_reward(completions, ["B", "C", "B", "(d)", "a"]) == [1.0, 1.0, 0.0, 1.0, 1.0]
@@ -291,5 +315,8 @@ def test_ocr_similarity_and_reward():
     rewards = ocr_reward(["<answer>STOP</answer>", "kitten", "x"], ["stop", "sitting", None])
     assert rewards[0] == 1.0 and rewards[1] == pytest.approx(1 - 3 / 7) and rewards[2] is None
     assert math.isclose(ocr_reward(["Stop."], ["stop"], normalize=False)[0], 1 - 2 / 5)
+    # one text, two encodings (composed and decomposed accents): the same text, normalised or not
+    for normalize in (True, False):
+        assert ocr_reward(["caf\u00e9"], ["cafe\u0301"], normalize=normalize) == [1.0]
     with pytest.raises(ValueError, match="ocr_reward needs a `solution` column"):
         ocr_reward(["x"])

@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from lightning_vlm.rewards.accuracy import extract_answer
+from lightning_vlm.rewards.accuracy import NUMBER, extract_answer, number_value
 
 if TYPE_CHECKING:
     from lightning_vlm.rewards.builtin import Completion
@@ -32,8 +32,6 @@ NUMBER_WORDS: dict[str, int] = {
 _COUNT = re.compile(
     r"(?<![\w.])(\d+(?:\.\d+)?)(?!\w)|(?<![\w-])(" + "|".join(NUMBER_WORDS) + r")(?![\w-])", re.I
 )
-_UNSIGNED = r"(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?"
-_NUMBER = re.compile(rf"([-+]?{_UNSIGNED})(?:\s*/\s*({_UNSIGNED}))?")
 
 
 def score_with_reference(
@@ -121,18 +119,9 @@ def count_reward(
     )
 
 
-def _number(match: re.Match) -> float | None:
-    numerator, denominator = (g.replace(",", "") if g else g for g in match.groups())
-    value = float(numerator)
-    if denominator is None:
-        return value
-    den = float(denominator)
-    return value / den if den != 0 else None
-
-
 def parse_numbers(text: str) -> list[float | None]:
     """Every number the answer names, in order (``parse_number``'s forms; None for a fraction over zero)."""
-    return [_number(m) for m in _NUMBER.finditer(extract_answer(text))]
+    return [number_value(m) for m in NUMBER.finditer(extract_answer(text))]
 
 
 def parse_number(text: str) -> float | None:
@@ -140,11 +129,13 @@ def parse_number(text: str) -> float | None:
 
     Accepted: an optional sign, digits with optional decimals (".5", "2.50"), comma thousands
     separators in groups of three ("1,234.5"), an exponent ("1e-3") and fractions ("3/4",
-    "-1/2"; a zero denominator reads as no number). A percent sign is ignored: "50%" is 50, so
-    write percentages the same way in the solution. Spaces as thousands separators are not.
+    "-1/2"; a zero denominator reads as no number), with "-" or the Unicode minus "−". A percent sign
+    is ignored: "50%" is 50, so write percentages the same way in the solution. Spaces as thousands
+    separators are not. Digits right after a letter or "^" belong to a word or unit ("m2", "cm^2",
+    "H2O"): "12 cm^2" names one number, 12.
     """
-    match = _NUMBER.search(extract_answer(text))
-    return None if match is None else _number(match)
+    match = NUMBER.search(extract_answer(text))
+    return None if match is None else number_value(match)
 
 
 def numeric_reward(

@@ -5,8 +5,8 @@ may write them as ``xyxy``, ``xywh`` (left, top, width, height) or ``cxcywh`` (c
 height), chosen by ``box_format``. The completion and the solution are in the same coordinate
 system (pixels, 0..1, or Qwen2-VL's 0..1000) and the same ``box_format``: IoU and GIoU are
 invariant to scaling both boxes alike, so no conversion between systems is needed. ``coordinates``
-only says which range is valid: the completion's box is clipped to it and the solution's box must
-lie in it (a solution outside it means a mistaken setting).
+only says which range is valid: the completion's box is clipped to it (one wholly outside it scores
+as no box) and the solution's box must lie in it (a solution outside it means a mistaken setting).
 """
 
 from __future__ import annotations
@@ -164,7 +164,14 @@ def _box_reward(
 
     def score(text: str, reference: Box) -> float:
         box = parse_box(text, box_format)
-        return floor if box is None else overlap(_clip(box, coordinates), reference)
+        if box is None:
+            return floor
+        clipped = _clip(box, coordinates)
+        # A box wholly past the edge clips to a sliver of no area on it, which GIoU would score as a
+        # box touching the reference (0.5, more than a wrong box inside the image): it is no box.
+        if _area(clipped) <= 0 < _area(box):
+            return floor
+        return overlap(clipped, reference)
 
     return score_with_reference(
         name, completions, solution, columns, lambda ref: _solution_box(ref, box_format, coordinates), score

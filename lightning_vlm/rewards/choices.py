@@ -26,22 +26,23 @@ _OPTION_VERBS = frozenset(
 )
 
 
-def _is_article(answer: str, letter: str, end: int) -> bool:
-    """Whether ``letter`` ("A" or "a") ending at ``end`` reads as the article: a lower-case word follows
-    and it is not a verb ("a cat" is the article, "A is right" the option)."""
+def _is_word(answer: str, letter: str, end: int) -> bool:
+    """Whether ``letter`` ending at ``end`` reads as a word, the article "A"/"a" or the pronoun "I": a
+    lower-case word follows and it is not a verb ("a cat", "I think" are words; "A is right", "I is
+    right" options). The pronoun matters once the options reach "I" (ten, as in MMLU-Pro)."""
     follow = _ARTICLE_NEXT.match(answer, end)
-    return letter in "Aa" and follow is not None and follow.group(1) not in _OPTION_VERBS
+    return letter in "AaI" and follow is not None and follow.group(1) not in _OPTION_VERBS
 
 
 def _choice_mentions(answer: str) -> set[str]:
     mentions = {m.group(1).upper() for m in _PAREN_CHOICE.finditer(answer)}
     for match in _CUE_CHOICE.finditer(answer):
         # "the answer is a cat": a lower-case "a" followed by a word is the article.
-        if not (match.group(1) == "a" and _is_article(answer, "a", match.end())):
+        if not (match.group(1) == "a" and _is_word(answer, "a", match.end())):
             mentions.add(match.group(1).upper())
     for match in _UPPER_CHOICE.finditer(answer):
-        # Lone capitals are options ("B is right", "B. blue"), except the article opening a sentence.
-        if not _is_article(answer, match.group(1), match.end()):
+        # Lone capitals are options ("B is right", "B. blue"), except the article or the pronoun I.
+        if not _is_word(answer, match.group(1), match.end()):
             mentions.add(match.group(1))
     return mentions
 
@@ -51,8 +52,9 @@ def parse_choice(text: str, choices: str = "ABCDEFGH") -> str | None:
 
     An answer that is just a letter counts in either case ("b", "(B)", "B."). In longer text a letter
     counts when it is parenthesised ("(b)"), follows "answer", "option" or "choice" ("Answer: B",
-    "the answer is b"), or stands alone as a capital ("B. blue", "I pick C"); "A"/"a" followed by
-    a lower-case word reads as the article. Letters outside ``choices`` are ignored.
+    "the answer is b"), or stands alone as a capital ("B. blue", "I pick C"); "A"/"a" or "I" followed
+    by a lower-case word other than a verb such as "is" reads as the article or the pronoun ("I pick C"
+    names C also among ten options A-J). Letters outside ``choices`` are ignored.
     """
     answer = extract_answer(text)
     whole = _WHOLE_CHOICE.fullmatch(answer)

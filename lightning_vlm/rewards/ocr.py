@@ -5,6 +5,7 @@ Follows the answer-reward convention of ``answers.py`` (``score_with_reference``
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -30,14 +31,18 @@ def levenshtein(a: str, b: str) -> int:
 
 
 def _ocr_text(text: str, normalize: bool) -> str:
-    # Case and spacing are not what an OCR answer is judged on; punctuation is, so it stays.
+    # One text may be encoded two ways ("é" as one code point or "e" + a combining accent); NFC makes
+    # them one, in both modes, since they are the same characters. Case and spacing are not what an
+    # OCR answer is judged on; punctuation is, so it stays.
+    text = unicodedata.normalize("NFC", text)
     return " ".join(text.casefold().split()) if normalize else text
 
 
 def ocr_similarity(prediction: str, reference: str, normalize: bool = True) -> float:
     """``1 - levenshtein / max(len)`` between the two texts, in [0, 1]; 1.0 when both are empty.
 
-    ``normalize`` case-folds and collapses whitespace (also stripping the ends) first.
+    Both texts are put in Unicode's composed form (NFC) first; ``normalize`` also case-folds and
+    collapses whitespace (stripping the ends).
     """
     prediction, reference = _ocr_text(prediction, normalize), _ocr_text(reference, normalize)
     longest = max(len(prediction), len(reference))

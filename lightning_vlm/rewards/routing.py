@@ -31,16 +31,18 @@ WARN_AFTER = 4096
 class TaskReward:
     """``reward`` on the rows whose ``column`` is ``task`` (or one of several tasks); ``None`` on the others."""
 
-    def __init__(self, reward: Any, task: str | Sequence[str], column: str = "task") -> None:
+    def __init__(self, reward: Any, task: str | int | Sequence[str | int], column: str = "task") -> None:
         self.reward = resolve_reward_function(reward)
-        self.tasks = frozenset([task] if isinstance(task, str) else [str(t) for t in task])
+        # Tasks match as text: YAML reads `task: 1` as an int, and a column may hold 1 or "1".
+        many = isinstance(task, Sequence) and not isinstance(task, str)
+        self.tasks = frozenset(str(t) for t in (task if many else [task]))
         if not self.tasks:
             raise ValueError("TaskReward needs at least one task")
         self.column = column
         # The wrapped reward's name, so logs read rewards/count_reward, not rewards/TaskReward.
         self.__name__ = reward_name(self.reward)
         self.seen, self.matched = 0, 0  # completions watched (until WARN_AFTER), and those of the task
-        self.values: set[str] = set()  # the column's values met so far (reprs: 1 and "1" differ)
+        self.values: set[str] = set()  # the column's values met so far, as reprs for the warning
 
     def __call__(self, completions: Sequence[Any], **columns: Any) -> list[float | None]:
         if self.column not in columns:
@@ -49,7 +51,9 @@ class TaskReward:
                 f"not have; the columns given were {sorted(columns)}"
             )
         n = len(completions)
-        rows = [i for i, task in enumerate(columns[self.column]) if task in self.tasks]
+        rows = [
+            i for i, task in enumerate(columns[self.column]) if task is not None and str(task) in self.tasks
+        ]
         self._watch(n, len(rows), columns[self.column])
         rewards: list[float | None] = [None] * n
         if not rows:

@@ -86,12 +86,15 @@ def resolve_reward_function(spec: Any) -> RewardFunction:
 
 
 def _dedupe(names: list[str]) -> list[str]:
-    # Two length_reward partials with different settings must not share a log key.
-    seen: dict[str, int] = {}
-    out = []
+    # Two length_reward partials with different settings must not share a log key (or a weight by
+    # name): a repeat takes the first suffix that no function has or had (f, f, f_2 -> f, f_3, f_2).
+    reserved, out = set(names), []
     for name in names:
-        seen[name] = seen.get(name, 0) + 1
-        out.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
+        unique, k = name, 1
+        while unique in out or (unique != name and unique in reserved):
+            k += 1
+            unique = f"{name}_{k}"
+        out.append(unique)
     return out
 
 
