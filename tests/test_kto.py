@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from PIL import Image
 
 from lightning_vlm.data.rows import RowError, normalize_row
 from lightning_vlm.data.synthetic import synthetic_rows
@@ -233,10 +234,12 @@ def test_mismatched_answers_over_ranks_are_the_one_process_rotation(monkeypatch,
     import lightning_vlm.methods.kto as kto
 
     total = sum(sizes)
-    shards = [[{"completion": f"c{p}"} for p in range(r, total, len(sizes))] for r in range(len(sizes))]
+    shards = [[{"prompt": f"q{p}", "completion": f"c{p}"} for p in range(r, total, len(sizes))]
+              for r in range(len(sizes))]  # fmt: skip
     assert [len(s) for s in shards] == list(sizes)
     one = [f"c{p - 1 if p else total - 1}" for p in range(total)]  # one process: row p with row p - 1
-    monkeypatch.setattr(kto, "all_gather_object", lambda obj: [[r["completion"] for r in s] for s in shards])
+    gathered = [[(kto.prompt_key(r), r["completion"]) for r in s] for s in shards]
+    monkeypatch.setattr(kto, "all_gather_object", lambda obj: gathered)
     for rank, shard in enumerate(shards):
         monkeypatch.setattr(kto, "rank", lambda rank=rank: rank)
         got = kto.mismatched_completions(shard)
@@ -244,6 +247,23 @@ def test_mismatched_answers_over_ranks_are_the_one_process_rotation(monkeypatch,
             assert got is None  # a single row over all ranks has no mismatched answer
         else:
             assert got == [one[int(r["completion"][1:])] for r in shard]
+
+
+def test_mismatched_answers_come_from_other_prompts():
+    # Paired data read as unpaired rows: each pair's two answers are neighbours. A plain rotation gave
+    # every rejected row its own prompt's chosen answer, biasing z0 (always, unshuffled).
+    import lightning_vlm.methods.kto as kto
+
+    def row(q: str, answer: str, image=None) -> dict:
+        return {"prompt": q, "completion": answer, "images": [] if image is None else [image]}
+
+    rows = [row("q0", "good0"), row("q0", "bad0"), row("q1", "good1"), row("q1", "bad1"), row("q2", "good2")]
+    assert kto.mismatched_completions(rows) == ["good2", "good2", "bad0", "bad0", "bad1"]
+    # the same words about another image are another question
+    red, blue = Image.new("RGB", (4, 4), "red"), Image.new("RGB", (4, 4), "blue")
+    assert kto.mismatched_completions([row("q", "a", red), row("q", "b", blue)]) == ["b", "a"]
+    # one prompt in the whole batch: no other answer exists, the rotation stays
+    assert kto.mismatched_completions([row("q", "a"), row("q", "b"), row("q", "c")]) == ["c", "a", "b"]
 
 
 def test_validation_means_are_over_the_rows_each_metric_describes(tiny_path):

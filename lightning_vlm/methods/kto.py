@@ -1,7 +1,8 @@
 """KTO (Ethayarajh et al. 2024) for VLMs: unpaired desirable / undesirable answers, TRL's loss and defaults.
 
 Each row is encoded together with its *mismatched* completion (the previous row's answer in the
-batch over all ranks, TRL's rotation by one; ``mismatched_completions``) as a pair that shares the
+batch over all ranks, TRL's rotation by one, skipping rows of the same prompt, which TRL does not;
+``mismatched_completions``) as a pair that shares the
 row's prompt and images, so the vision tower runs once per row (``preference_batch.encode_pairs``).
 The matched answer gives the implicit reward r = logπ - logπ_ref; the mismatched ones, over every
 rank's rows, give the reference point z0. TRL's text path fixes each row's partner once at
@@ -36,6 +37,7 @@ from lightning_vlm.methods.common import (
     message_text,
 )
 from lightning_vlm.methods.preference_batch import encode_pairs, split_pairs
+from lightning_vlm.methods.reference_cache import prompt_key
 from lightning_vlm.methods.step_window import StepWindow, window_of
 from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_tokens
 from lightning_vlm.models.reference import ReferenceModel
@@ -81,24 +83,35 @@ def reference_answers(rows: list[dict]) -> list[str | None]:
 
 
 def mismatched_completions(rows: list[dict]) -> list[Any] | None:
-    """Each row's mismatched answer for z0: the completion of the row before it in the step's batch over
-    all ranks (TRL's rotation by one), or None when that batch holds a single row.
+    """Each row's mismatched answer for z0: the completion of the nearest row before it in the step's
+    batch over all ranks (cyclically, TRL's rotation by one) that asks another question; None when that
+    batch holds a single row.
 
-    Rank r's rows sit at positions r, r + N, r + 2N, ... of the global batch (the data's sharding: one
-    process with N times the batch sees the same rows in that order), so N processes pair rows exactly as
-    one process does and z0 is the same. The completions (text, not tensors) are exchanged each step.
+    z0 estimates KL(π‖π_ref) from answers to *other* prompts. Paired data read as unpaired rows puts a
+    pair's two answers next to each other (so does data listing several answers per prompt), and a plain
+    rotation would hand half the rows their own prompt's other answer, biasing z0 (always so without
+    shuffling, e.g. in validation). Such neighbours are skipped; a batch of one prompt has no other
+    answer and keeps the rotation. Rank r's rows sit at positions r, r + N, r + 2N, ... of the global
+    batch (the data's sharding: one process with N times the batch sees the same rows in that order), so
+    N processes pair rows exactly as one process does and z0 is the same. Prompt digests and completions
+    (text, not tensors) are exchanged each step.
     """
-    per_rank = all_gather_object([r["completion"] for r in rows])
+    per_rank = all_gather_object([(prompt_key(r), r["completion"]) for r in rows])
     order = [
         (r, i) for i in range(max(map(len, per_rank))) for r in range(len(per_rank)) if i < len(per_rank[r])
     ]
     if len(order) < 2:
         return None
     flat = [per_rank[r][i] for r, i in order]
+
+    def other(p: int) -> Any:
+        before = [(p - k) % len(flat) for k in range(1, len(flat))]
+        q = next((q for q in before if flat[q][0] != flat[p][0]), before[0])
+        return flat[q][1]
+
     position = {at: p for p, at in enumerate(order)}
     me = rank()
-    # position 0 takes the last row's answer, as TRL's rotation does
-    return [flat[position[me, i] - 1] for i in range(len(rows))]
+    return [other(position[me, i]) for i in range(len(rows))]
 
 
 def desirable_answers(rows: list[dict]) -> list[str]:
@@ -174,7 +187,7 @@ class KTO(FactoryOptimized):
         whose loss has no reference point: it skips the mismatched pass and its collectives, as TRL does)."""
         hp = self.hparams
         with_z0 = hp.loss_type != "apo_zero_unpaired"
-        # Row i with the previous row's completion (TRL's rotation): the mismatched answer for z0.
+        # Row i with an earlier row's completion to another prompt (TRL's rotation): the answer for z0.
         mismatched = mismatched_completions(rows) if with_z0 else None
         # A single row over all ranks fills the slot with its own answer; its KL is dropped below.
         others = mismatched if mismatched is not None else [r["completion"] for r in rows]

@@ -36,13 +36,21 @@ def _image_digest(image) -> str:
     return h.hexdigest()
 
 
-def row_key(row: dict) -> str:
-    """A digest of a preference row: prompt, chosen, rejected and every image's pixels."""
-    text = json.dumps([row.get("prompt"), row["chosen"], row["rejected"]], sort_keys=True, default=str)
-    h = hashlib.sha256(text.encode())
-    for image in row.get("images", []):
+def _digest(parts: list, images: list) -> str:
+    h = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode())
+    for image in images:
         h.update(_image_digest(image).encode())
     return h.hexdigest()
+
+
+def row_key(row: dict) -> str:
+    """A digest of a preference row: prompt, chosen, rejected and every image's pixels."""
+    return _digest([row.get("prompt"), row["chosen"], row["rejected"]], row.get("images", []))
+
+
+def prompt_key(row: dict) -> str:
+    """A digest of a row's prompt and every image's pixels: rows that ask the same question share it."""
+    return _digest([row.get("prompt")], row.get("images", []))
 
 
 @torch.no_grad()
