@@ -6,6 +6,7 @@ import functools
 
 import pytest
 import torch
+from online_helpers import FixedGenerator
 
 from lightning_vlm.generation.base import Rollouts
 from lightning_vlm.methods.dynamic_sampling import (
@@ -155,7 +156,10 @@ def test_select_and_concat_keep_groups_whole():
 @pytest.mark.parametrize(
     ("value", "match"),
     [
-        ({"enabled": True, "max_num_gen_batches": 0}, "max_num_gen_batches must be an integer >= 1"),
+        ({"enabled": True, "max_num_gen_batches": 0}, "max_num_gen_batches must be an integer >= 2"),
+        # one round: the filtered groups would fill the step back, training as without the filter
+        ({"enabled": True, "max_num_gen_batches": 1}, "a single round leaves nothing to resample"),
+        ({"max_num_gen_batches": 1}, "max_num_gen_batches must be an integer >= 2"),
         ({"enabled": True, "filter": "std"}, "filter 'std' is unknown"),
         ({"enabled": True, "rounds": 2}, r"unknown method.dynamic_sampling keys \['rounds'\]"),
         (True, r"method.dynamic_sampling must be a mapping such as \{enabled: true\}.*got True"),
@@ -166,6 +170,14 @@ def test_select_and_concat_keep_groups_whole():
 def test_bad_settings_name_the_key(value, match):
     with pytest.raises(ValueError, match=match):
         DynamicSampling.of(value)
+
+
+def test_a_mapping_turns_it_on_unless_it_says_otherwise():
+    # {max_num_gen_batches: 5} was silently off (enabled defaulted to false)
+    assert DynamicSampling.of({"max_num_gen_batches": 5}) == DynamicSampling(True, "zero_std", 5)
+    assert DynamicSampling.of({}).enabled
+    assert not DynamicSampling.of({"enabled": False, "max_num_gen_batches": 5}).enabled
+    assert not DynamicSampling.of(None).enabled
 
 
 def test_a_short_last_pool_runs_in_smaller_rounds():
@@ -189,11 +201,21 @@ def _constant_reward(completions, **kwargs):
     return [1.0] * len(completions)
 
 
-@pytest.mark.parametrize(("penalty", "kept"), [(None, 0.0), (1.0, 2.0)])
-def test_online_dpo_filters_on_the_rewards_it_picks_pairs_by(tiny_path, penalty, kept):
+class AskedGroups(FixedGenerator):
+    """From fixed rollouts, the groups of the prompts each round asks for (FixedGenerator returns all)."""
+
+    def generate(self, rows, num_generations, sampling):
+        self.calls += 1
+        return select_groups(self.rollouts, [self.rollouts.rows.index(r) for r in rows])
+
+
+# Two prompts in two rounds of one: without the penalty both groups tie (filtered, one fills the step);
+# with it the first round's group teaches and the step is full.
+@pytest.mark.parametrize(("penalty", "kept", "filtered"), [(None, 0.0, 2.0), (1.0, 1.0, 0.0)])
+def test_online_dpo_filters_on_the_rewards_it_picks_pairs_by(tiny_path, penalty, kept, filtered):
     # Every answer scores 1, but each pair's first one ran out of tokens: missing_eos_penalty breaks the
     # tie, so the pair teaches (chosen: the one that ended) and dynamic sampling must keep it.
-    from online_helpers import FixedGenerator, fit_steps, sample_rollouts, sgd
+    from online_helpers import fit_steps, sample_rollouts, sgd
 
     from lightning_vlm.data.synthetic import synthetic_rows
     from lightning_vlm.methods.online_dpo import OnlineDPO
@@ -204,8 +226,8 @@ def test_online_dpo_filters_on_the_rewards_it_picks_pairs_by(tiny_path, penalty,
     rollouts.truncated = [True, False, True, False]
     module = OnlineDPO(vlm, optimizer=sgd(1e-3), reward_funcs=[_constant_reward], missing_eos_penalty=penalty,
                        num_candidates=2, max_completion_length=4,
-                       dynamic_sampling={"enabled": True, "max_num_gen_batches": 1})  # fmt: skip
-    module.generator = FixedGenerator(rollouts)
+                       dynamic_sampling={"enabled": True, "max_num_gen_batches": 2})  # fmt: skip
+    module.generator = AskedGroups(rollouts)
     metrics = fit_steps(module, rows).callback_metrics
     assert metrics["train/dynamic_sampling/groups_kept"] == kept
-    assert metrics["train/dynamic_sampling/groups_filtered"] == 2.0 - kept
+    assert metrics["train/dynamic_sampling/groups_filtered"] == filtered

@@ -64,7 +64,8 @@ FILTERS: dict[str, GroupFilter] = {"zero_std": zero_std_filter}
 @dataclass(frozen=True)
 class DynamicSampling:
     """Settings: ``enabled``; ``filter`` ("zero_std" or a ``GroupFilter``); ``max_num_gen_batches``,
-    the number of rounds a step's prompt pool is split into (verl's name; 1 = filter without resampling)."""
+    the number of rounds a step's prompt pool is split into (verl's name), at least 2: with one round
+    nothing is left to resample, and the filtered groups would fill the step back up."""
 
     enabled: bool = False
     filter: str | GroupFilter = "zero_std"
@@ -72,7 +73,8 @@ class DynamicSampling:
 
     @classmethod
     def of(cls, value: DynamicSampling | dict | None) -> DynamicSampling:
-        """From a config mapping (or None: off), checked: the error names the bad key."""
+        """From a config mapping (or None: off), checked: the error names the bad key. A mapping turns
+        dynamic sampling on unless it says ``enabled: false``: ``{max_num_gen_batches: 5}`` means it."""
         if value is None or isinstance(value, DynamicSampling):
             return value or cls()
         if not isinstance(value, Mapping):
@@ -86,15 +88,17 @@ class DynamicSampling:
                 f"unknown method.dynamic_sampling keys {sorted(unknown)}; "
                 "expected enabled, filter, max_num_gen_batches"
             )
-        settings = cls(**value)
+        settings = cls(**{"enabled": True, **value})
         if not isinstance(settings.enabled, bool):
             raise ValueError(
                 f"method.dynamic_sampling.enabled must be true or false, got {settings.enabled!r}"
             )
-        if not isinstance(settings.max_num_gen_batches, int) or settings.max_num_gen_batches < 1:
+        rounds = settings.max_num_gen_batches
+        if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 2:
             raise ValueError(
-                f"method.dynamic_sampling.max_num_gen_batches must be an integer >= 1, "
-                f"got {settings.max_num_gen_batches!r}"
+                f"method.dynamic_sampling.max_num_gen_batches must be an integer >= 2 (generation rounds "
+                f"per step), got {rounds!r}: a single round leaves nothing to resample, so the filtered "
+                "groups would fill the step back and it would train as without dynamic sampling"
             )
         settings.group_filter  # noqa: B018 (fail now on an unknown filter name)
         return settings
