@@ -95,8 +95,20 @@ def test_end_of_turn_stops_generation(tiny_path):
     assert rollouts.truncated == [False] * 4 and rollouts.completion_texts == [""] * 4
 
 
-def test_training_logps_match_sampler_logps(vlms):
+# What a checkpoint's generation_config.json may hold: Qwen2.5-VL-Instruct's own (near-greedy), and
+# fields transformers would fill into any our config leaves unset.
+CHECKPOINT_DEFAULTS = {"temperature": 0.1, "top_p": 0.001, "top_k": 1, "repetition_penalty": 1.05,
+                       "min_p": 0.3, "typical_p": 0.5, "no_repeat_ngram_size": 1, "min_new_tokens": 4}  # fmt: skip
+
+
+@pytest.mark.parametrize("checkpoint_defaults", [False, True], ids=["plain", "checkpoint-defaults"])
+def test_training_logps_match_sampler_logps(vlms, tiny_path, checkpoint_defaults):
+    # The sampler draws from what training computes log-probs of, whatever the checkpoint's defaults
+    # (HF generation counts as the policy: no importance-sampling correction would catch a difference).
     vlm = vlms("qwen2_5_vl")
+    if checkpoint_defaults:
+        vlm = VLM(tiny_path("qwen2_5_vl"))
+        vlm.model.generation_config.update(**CHECKPOINT_DEFAULTS)
     rows = synthetic_rows("prompt", 2)
     torch.manual_seed(1)
     settings = SamplingSettings(max_new_tokens=6, temperature=1.5)

@@ -28,6 +28,23 @@ def synced_gpus(vlm: VLM) -> bool:
     return world_size() > 1 and gathers_weights(vlm.model)
 
 
+@contextlib.contextmanager
+def without_checkpoint_defaults(model: torch.nn.Module) -> Iterator[None]:
+    """Hide the checkpoint's ``generation_config.json`` during ``generate``.
+
+    transformers fills every field a passed config leaves unset from it (min_p, typical_p,
+    no_repeat_ngram_size, min_new_tokens, bad_words_ids, ...; Qwen2.5-VL-Instruct ships a near-greedy
+    one), and several fields have no neutral value to set instead. Sampling must draw from the
+    distribution training computes log-probs of, so the model's defaults are blank for the call.
+    """
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
 class HFGenerator(OwnWeightsGenerator):
     """Generates with the policy's own HF model, in eval mode and without gradients.
 
@@ -45,7 +62,7 @@ class HFGenerator(OwnWeightsGenerator):
         self.max_batch_size = max_batch_size
 
     def generation_config(self, sampling: SamplingSettings) -> GenerationConfig:
-        """A complete config, so no default of the checkpoint's generation_config.json leaks in."""
+        """Our sampling settings; :func:`without_checkpoint_defaults` keeps the checkpoint's out of the rest."""
         common = dict(
             max_new_tokens=sampling.max_new_tokens,
             eos_token_id=[self.vlm.end_of_turn_id],
@@ -113,7 +130,7 @@ class HFGenerator(OwnWeightsGenerator):
         # tower does not run G times. Greedy copies are identical: decode once, repeat the result.
         copies = 1 if sampling.greedy else num_generations
         config.num_return_sequences = copies
-        with evaluating(vlm.model), torch.no_grad():
+        with evaluating(vlm.model), torch.no_grad(), without_checkpoint_defaults(vlm.model):
             out = vlm.model.generate(**model_inputs, generation_config=config, synced_gpus=synced_gpus(vlm))
         new = out.sequences[:, model_inputs["input_ids"].shape[1] :]
         # Scores are the processed logits the token was drawn from (suppression, temperature, top-k/p).
