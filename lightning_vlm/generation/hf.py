@@ -134,20 +134,21 @@ class HFGenerator(OwnWeightsGenerator):
             out = vlm.model.generate(**model_inputs, generation_config=config, synced_gpus=synced_gpus(vlm))
         new = out.sequences[:, model_inputs["input_ids"].shape[1] :]
         # Scores are the processed logits the token was drawn from (suppression, temperature, top-k/p).
-        step_logps = torch.stack(out.scores, dim=1).float().log_softmax(-1) if out.scores else None
+        # Step by step, only the drawn tokens' log-probs [N, T] are kept: stacking the [N, V] steps, with
+        # a float copy and a log-softmax, held three [N, T, V] tensors (20 GB each for 64 answers of 512
+        # tokens over Qwen's 152k vocabulary) next to the one transformers returns.
+        chosen = None
+        if out.scores:
+            steps = [s.float().log_softmax(-1).gather(1, new[:, t, None]) for t, s in enumerate(out.scores)]
+            chosen = torch.cat(steps, dim=1)
+        del out
         if copies != num_generations:
             new = new.repeat_interleave(num_generations, dim=0)
-            step_logps = (
-                step_logps.repeat_interleave(num_generations, dim=0) if step_logps is not None else None
-            )
+            chosen = chosen.repeat_interleave(num_generations, dim=0) if chosen is not None else None
         ids, logprobs, truncated = [], [], []
         for i, row in enumerate(new.tolist()):
             kept, cut = cut_at_eos(row, {vlm.end_of_turn_id})
             ids.append(kept)
             truncated.append(cut)
-            if step_logps is None or not kept:
-                logprobs.append([])
-            else:
-                index = torch.tensor(kept, device=step_logps.device)
-                logprobs.append(step_logps[i, torch.arange(len(kept)), index].tolist())
+            logprobs.append([] if chosen is None else chosen[i, : len(kept)].tolist())
         return ids, logprobs, truncated
