@@ -139,8 +139,9 @@ class OwnWeightsGenerator:
 
 @contextlib.contextmanager
 def seeded(generator: Generator, seed: int | None, device: torch.device) -> Iterator[None]:
-    """Run with ``generator`` seeded to ``seed`` (vLLM: per-request seeds; HF: torch's RNG) and torch's RNG
-    too (a reward function's draws), then restored; nothing changes for ``None``."""
+    """Run with ``generator`` seeded to ``seed`` (vLLM: per-request seeds; HF: torch's RNG, in a fork of it
+    so the caller's state is untouched), then restored; nothing changes for ``None``. Rewards are scored
+    after this block: a reward function that draws random numbers is not replayed by a resume."""
     if seed is None:
         yield
         return

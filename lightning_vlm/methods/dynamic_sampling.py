@@ -17,7 +17,10 @@ DPO's include ``missing_eos_penalty``); RLOO's KL penalty (``beta`` > 0) comes l
 group, whose only signal is the KL, is dropped (DAPO has no KL term), and a filler group trains on it.
 Because the pool is the dataloader's batch and each round's sampling seed is derived from
 (seed, global_step, rank, round), a resumed run regenerates exactly what the uninterrupted one drew.
-Unused prompts of a pool are not revisited in that epoch (verl and EasyR1 likewise move on).
+Unused prompts of a pool are not revisited in that epoch: when the first round keeps enough groups,
+the rest of the pool goes ungenerated, so an epoch may train on as little as 1/``max_num_gen_batches``
+of the data (verl draws its next generation batch only when one is needed and skips none; it discards
+surplus kept groups instead).
 
 The filter is any callable ``keep(rewards [G], per_function [G, F]) -> bool`` (``GroupFilter``);
 ``"zero_std"`` (DAPO's: at least two valid rewards that differ) is built in.
