@@ -3,7 +3,8 @@
     python tests/_vllm_scenarios.py REPORT.json SCENARIO [SCENARIO...]
 
 Scenarios: ``colocate`` (parity, sampling, full and LoRA sync, two families), ``grpo_colocate`` (a few
-GRPO steps through ``generation=vllm_colocate``), ``adapter_sync`` (LoRA-only sync) and
+GRPO steps through ``generation=vllm_colocate``), ``adapter_sync`` (LoRA-only sync),
+``processor_settings`` (a policy's processor_kwargs reach vLLM) and
 ``transformers_impl`` (model_impl=transformers; last: it patches transformers classes in-process). Each scenario's failure is
 reported, not raised, so the other scenarios still run.
 """
@@ -192,6 +193,30 @@ def adapter_sync(paths: dict) -> dict:
     report["sync_seconds"].append(gen.sync_weights())
     report["after"] = _compare(vlm, gen)
     report["adapters_loaded"] = sorted(gen.llm.llm_engine.list_loras())
+    gen.close()
+    return report
+
+
+def processor_settings(paths: dict) -> dict:
+    """A policy whose processor has its own pixel limit (model.processor_kwargs): vLLM must encode the
+    images into the same tokens, or it samples from another prompt than training scores."""
+    from lightning_vlm.generation.vllm_colocate import VLLMColocateGenerator
+    from lightning_vlm.models.vlm import VLM
+
+    limits = {"min_pixels": 3136, "max_pixels": 3136}
+    vlm = VLM(paths["qwen2_5_vl"], processor_kwargs=limits)
+    rows = _rows()
+    tokens = {
+        name: int((v.encode_prompts([r["prompt"] for r in rows], [r["images"] for r in rows])["input_ids"]
+                   == v.config.image_token_id).sum())
+        for name, v in (("limited", vlm), ("default", VLM(paths["qwen2_5_vl"])))
+    }  # fmt: skip
+    gen = VLLMColocateGenerator(vlm)
+    report = {
+        "image_tokens": tokens,
+        "engine_kwargs": gen.engine.mm_processor_kwargs,
+        **_compare(vlm, gen, rows),
+    }
     gen.close()
     return report
 

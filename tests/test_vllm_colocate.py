@@ -36,6 +36,7 @@ def report(tiny_path, tmp_path_factory) -> dict:
         "colocate",
         "grpo_colocate",
         "adapter_sync",
+        "processor_settings",
         "families",
         # Last: model_impl=transformers wraps transformers' classes in vLLM's compile decorators for
         # the rest of the process, so plain transformers models of that family no longer build.
@@ -137,6 +138,15 @@ def test_lora_adapter_only_sync_matches_hf(report):
     assert r["after"]["hf"] != r["before"]["hf"]
     _assert_parity(r["after"])
     assert r["adapters_loaded"] == [2], "one adapter version resident: the previous one was removed"
+
+
+def test_the_policys_processor_settings_reach_vllm(report):
+    # max_pixels 3136 gives each image fewer tokens than the checkpoint's default; vLLM built its own
+    # processor from the checkpoint alone and sampled from other image tokens than training scores.
+    r = _section(report, "processor_settings")
+    assert r["image_tokens"]["limited"] < r["image_tokens"]["default"]
+    assert r["engine_kwargs"] == {"min_pixels": 3136, "max_pixels": 3136}
+    _assert_parity(r)
 
 
 def test_model_impl_transformers_generates_like_hf(report):

@@ -223,3 +223,21 @@ def test_save_adapter_writes_what_peft_writes(tiny_path, tmp_path):
     assert (tmp_path / "ours" / "adapter_config.json").read_text() == (
         tmp_path / "peft" / "adapter_config.json"
     ).read_text()
+
+
+def test_engines_take_the_policys_processor_settings_unless_given_their_own():
+    # vLLM builds its processor from the checkpoint alone: the policy's processor_kwargs must reach it,
+    # in-process and on the command line of a server the callback starts.
+    import json
+
+    from lightning_vlm.generation.engine_options import EngineOptions
+
+    limits = {"max_pixels": 401408}
+    engine = EngineOptions().for_policy(limits)
+    assert engine.mm_processor_kwargs == limits
+    args = engine.server_args()
+    assert json.loads(args[args.index("--mm-processor-kwargs") + 1]) == limits
+    own = EngineOptions.build({"mm_processor_kwargs": {"max_pixels": 3136}})
+    assert own.for_policy(limits).mm_processor_kwargs == {"max_pixels": 3136}  # a set value is kept
+    assert EngineOptions().for_policy({}) == EngineOptions()
+    assert "--mm-processor-kwargs" not in EngineOptions().server_args()

@@ -97,6 +97,8 @@ class VLLMGeneration(L.Callback):
                 f"VLLMGeneration needs a module with `vlm` and a replaceable `generator` (an online "
                 f"method); {type(pl_module).__name__} has not"
             )
+        # The engine (colocated, or the server started here) encodes images as the trainer's processor.
+        self.engine = self.engine.for_policy(pl_module.vlm.processor_kwargs)
         if self.mode == "colocate" and trainer.world_size > 1 and self.engine.tensor_parallel_size > 1:
             raise NotImplementedError(
                 "tensor_parallel_size > 1 with several training processes is not supported: each rank runs its "

@@ -24,7 +24,9 @@ LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 class EngineOptions:
     """How a vLLM engine is built. ``dtype="auto"``: the checkpoint's on GPU, float32 on CPU;
     ``limit_mm_per_prompt`` None: ``vllm_engine.IMAGES_ONLY``; ``enable_sleep_mode``: GPU only
-    (free vLLM's memory during the backward pass); ``extra``: any other ``vllm.LLM`` keyword."""
+    (free vLLM's memory during the backward pass); ``mm_processor_kwargs`` None: the policy's
+    ``model.processor_kwargs`` (:meth:`for_policy`), so vLLM sees the image tokens training sees;
+    ``extra``: any other ``vllm.LLM`` keyword."""
 
     gpu_memory_utilization: float = 0.3
     max_model_len: int = 1024
@@ -35,6 +37,7 @@ class EngineOptions:
     limit_mm_per_prompt: dict[str, int] | None = None
     logprobs_mode: str = "processed_logprobs"
     seed: int = 0
+    mm_processor_kwargs: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -60,10 +63,22 @@ class EngineOptions:
         elif not isinstance(options, EngineOptions):
             values = dict(options)
             values["extra"] = dict(values.get("extra") or {})
-            if values.get("limit_mm_per_prompt") is not None:
-                values["limit_mm_per_prompt"] = dict(values["limit_mm_per_prompt"])
+            for key in ("limit_mm_per_prompt", "mm_processor_kwargs"):
+                if values.get(key) is not None:
+                    values[key] = dict(values[key])
             options = cls(**values)
         return dataclasses.replace(options, **overrides) if overrides else options
+
+    def for_policy(self, processor_kwargs: Mapping[str, Any] | None) -> EngineOptions:
+        """These options with ``mm_processor_kwargs`` defaulting to the policy's processor settings.
+
+        The trainer's processor is built with ``model.processor_kwargs`` (e.g. Qwen2.5-VL's
+        ``max_pixels``); vLLM builds its own from the checkpoint alone. Without the same settings it
+        would encode images into other (often many more) tokens than training scores.
+        """
+        if self.mm_processor_kwargs is not None or not processor_kwargs:
+            return self
+        return dataclasses.replace(self, mm_processor_kwargs=dict(processor_kwargs))
 
     def server_args(self) -> list[str]:
         """The same settings as ``vllm serve`` options (for the server the callback starts)."""
@@ -73,6 +88,8 @@ class EngineOptions:
                 "--logprobs-mode", self.logprobs_mode, "--seed", str(self.seed)]  # fmt: skip
         if self.limit_mm_per_prompt:
             args += ["--limit-mm-per-prompt", json.dumps(dict(self.limit_mm_per_prompt))]
+        if self.mm_processor_kwargs:
+            args += ["--mm-processor-kwargs", json.dumps(dict(self.mm_processor_kwargs))]
         if self.enable_sleep_mode:
             args.append("--enable-sleep-mode")
         return args  # ``extra`` stays in-process: a server takes its own options (``server_args``)

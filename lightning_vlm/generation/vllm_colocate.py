@@ -86,7 +86,7 @@ class VLLMColocateGenerator:
         engine: EngineOptions | Mapping[str, Any] | None = None,
         weight_sync: str = "merged",
     ) -> None:
-        engine = EngineOptions.build(engine)
+        engine = EngineOptions.build(engine).for_policy(vlm.processor_kwargs)
         if weight_sync not in WEIGHT_SYNCS:
             raise ValueError(f"weight_sync must be one of {WEIGHT_SYNCS}, got {weight_sync!r}")
         self.vlm = vlm

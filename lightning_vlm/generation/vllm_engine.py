@@ -84,6 +84,8 @@ def make_vllm_engine(
         "logprobs_mode": engine.logprobs_mode,
         "seed": engine.seed,
     }
+    if engine.mm_processor_kwargs:
+        kwargs["mm_processor_kwargs"] = dict(engine.mm_processor_kwargs)
     if has_cuda():
         kwargs.update(
             dtype=dtype,

@@ -46,6 +46,8 @@ class VLM(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.model_name_or_path = model_name_or_path
+        # Kept for engines that build their own processor (vLLM): they must encode images alike.
+        self.processor_kwargs: dict = dict(processor_kwargs or {})
         # A missing folder or an uncached hub id offline: say so, naming the setting.
         where = {k: v for k, v in (model_kwargs or {}).items() if k in ("cache_dir", "revision")}
         check_model_source(model_name_or_path, **where)
