@@ -53,6 +53,7 @@ def check_settings(cfg: DictConfig) -> None:
         raise ValueError(f"method.optimizer.lr must be >= 0, got {lr}")
     if online:
         _check_online(method, data)
+        _check_vllm_correction(method, cfg.get("callbacks") or {})
 
 
 def _check_trainer(trainer: Any, online: bool) -> None:
@@ -120,6 +121,40 @@ def _check_online(method: Any, data: Any) -> None:
                 f"a generation trains on ({source} × method.num_generations={generations}) into "
                 "equal optimizer steps"
             )
+
+
+# Sampling settings that reshape the distribution vLLM samples from, and their neutral values.
+_RESHAPING = (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("repetition_penalty", 1.0))
+
+
+def _check_vllm_correction(method: Any, callbacks: Any) -> None:
+    """The vLLM importance-sampling correction divides the trainer's log-probs (temperature and the
+    suppressed vision tokens applied, nothing else) by vLLM's: both must describe one distribution."""
+    vllm = callbacks.get("vllm_generation")
+    if not vllm or not method.get("vllm_importance_sampling_correction"):
+        return
+    setting = "method.vllm_importance_sampling_correction=true"
+    mode = (vllm.get("engine") or {}).get("logprobs_mode")
+    if mode == "raw_logprobs":
+        raise ValueError(
+            f"callbacks.vllm_generation.engine.logprobs_mode=raw_logprobs with {setting}: raw log-probs come "
+            "before temperature and the suppressed tokens, the trainer's after, so every token's ratio is off; "
+            "use processed_logprobs"
+        )
+    sampling = method.get("sampling") or {}
+    reshaped = [
+        f"method.sampling.{key}={sampling[key]}"
+        for key, neutral in _RESHAPING
+        if sampling.get(key) is not None and sampling[key] != neutral
+    ]
+    if reshaped:
+        raise ValueError(
+            f"{', '.join(reshaped)} with generation by vLLM and {setting}: vLLM's log-probs are those of the "
+            "truncated or penalised distribution it samples, the trainer's those of the whole one, so every "
+            "token's ratio is below 1 and a sequence-level correction masks long answers. Set "
+            "top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, or "
+            "method.vllm_importance_sampling_correction=false"
+        )
 
 
 def _rounds_only(value: Any) -> Any:

@@ -101,6 +101,13 @@ TRAIN_CASES = [
     (["method=online_dpo", "method.num_candidates=1"], InstantiationException, r"num_candidates .* must be >= 2", NEW),
     (["method=online_dpo", "method.vllm_importance_sampling_correction=true"], InstantiationException,
      r"set method\.vllm_importance_sampling_correction=false", NEW),
+    # vLLM's log-probs and the trainer's must describe one distribution for the IS correction
+    (["method=grpo", "generation=vllm_colocate", "method.sampling.top_p=0.9"], ValueError,
+     r"method\.sampling\.top_p=0\.9 with generation by vLLM and method\.vllm_importance_sampling_correction", NEW),
+    (["method=rloo", "generation=vllm_server", "method.sampling.repetition_penalty=1.1"], ValueError,
+     r"method\.sampling\.repetition_penalty=1\.1 with generation by vLLM", NEW),
+    (["method=grpo", "generation=vllm_colocate", "callbacks.vllm_generation.engine.logprobs_mode=raw_logprobs"],
+     ValueError, r"logprobs_mode=raw_logprobs with method\.vllm_importance_sampling_correction=true", NEW),
 ]  # fmt: skip
 
 
@@ -115,6 +122,20 @@ def test_train_py_settings_fail_early_naming_the_setting(
     cfg = compose_train([*SMALL, *overrides], tmp_path)
     with pytest.raises(error, match=message):
         train(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["method=grpo", "generation=vllm_colocate", "method.sampling.top_p=0.9",
+         "method.vllm_importance_sampling_correction=false"],
+        ["method=grpo", "generation=hf", "method.sampling.top_p=0.9"],
+        ["method=online_dpo", "generation=vllm_colocate", "method.sampling.top_k=20"],
+    ],
+    ids=["vllm-correction-off", "hf", "online-dpo"],
+)  # fmt: skip
+def test_reshaped_sampling_is_accepted_where_no_vllm_correction_runs(overrides, tmp_path):
+    check_settings(compose_train([*SMALL, *overrides], tmp_path))
 
 
 def test_dynamic_sampling_steps_need_to_split_one_round_not_the_whole_pool(tmp_path):
