@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import signal
 from typing import Any
 
 import hydra
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_vlm.config  # noqa: F401  (registers the ${tiny_vlm:...} resolver)
@@ -135,7 +137,14 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
             )
             initial = {k: float(v) for k, v in results[0].items()}
             log.info("Metrics before training (%s): %s", ckpt_path or "initial weights", initial)
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+        try:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+        except SIGTERMException:
+            # Lightning ends fit with a SystemExit without a code: the job would exit 0, as if done, and a
+            # scheduler would not requeue it. last.ckpt holds the stopped state (callbacks.last_checkpoint).
+            log.warning("Stopped by SIGTERM at step %d; resume with ckpt_path=<run>/checkpoints/last.ckpt",
+                        trainer.global_step)  # fmt: skip
+            raise SystemExit(128 + signal.SIGTERM) from None
     wanted = cfg.get("optimized_metric")
     if wanted and wanted not in trainer.callback_metrics and trainer.limit_val_batches != 0:
         # The run ended before its first validation (e.g. trainer.max_steps below val_check_interval):

@@ -65,6 +65,18 @@ class Kill9(L.Callback):
             self._die(trainer, "epoch_end")
 
 
+class SigTerm(L.Callback):
+    """Sends SIGTERM to its own process (what a preemption or ``scancel`` does) at the end of the batch
+    that reaches ``at_step`` optimizer steps."""
+
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        if trainer.global_step == self.at_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 @dataclass
 class Scenario:
     """A method's tiny run: 2 epochs of 4 batches, ``last.ckpt`` every 2 batches."""

@@ -4,7 +4,8 @@ Lightning's ``ModelCheckpoint(monitor=..., save_last=True)`` writes ``last.ckpt`
 top-k checkpoint, i.e. when the monitored metric improves at a validation: a crash loses everything
 since then. This callback is a second ``ModelCheckpoint`` beside the best-by-metric one (Lightning's way
 of combining schedules): no monitor, no top-k files, only ``last.ckpt``, written every
-``every_n_train_steps`` optimizer steps and once more when fit ends.
+``every_n_train_steps`` optimizer steps and once more when fit ends, or when the job is told to stop
+(SIGTERM: a preemption, a scheduler's time limit, ``kill``), so a preempted run loses no step.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import lightning as L
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 
 class LastCheckpoint(ModelCheckpoint):
@@ -68,4 +70,13 @@ class LastCheckpoint(ModelCheckpoint):
         """The final state of a fit that ended otherwise (max_epochs, max_time, a callback's stop), unless
         it was just written."""
         if not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        """On SIGTERM, the state after the last finished batch. Lightning stops at a batch's end when the
+        signal came (every rank together), so that state is whole; other exceptions may strike mid-step
+        and leave the previous ``last.ckpt`` alone."""
+        if isinstance(exception, SIGTERMException) and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))

@@ -1,0 +1,58 @@
+"""A ``train.py`` run told to stop (SIGTERM: a preemption, a scheduler's time limit) saves ``last.ckpt`` at
+the step it stopped, exits non-zero so a scheduler knows it did not finish, and resumes from there to the
+uninterrupted run's state, bitwise. It used to save nothing and exit 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+# Checkpoints far apart (every 1000 steps): whatever last.ckpt holds at step 3 was written on SIGTERM.
+ARGS = ["method=sft", "logger=none", "callbacks=model_checkpoint", "~callbacks.model_checkpoint",
+        "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false", "data.batch_size=4",
+        "data.synthetic.num_train=16", "data.synthetic.num_val=4", "seed=0", "trainer.max_steps=6",
+        "callbacks.last_checkpoint.every_n_train_steps=1000"]  # fmt: skip
+COMPARED = ("state_dict", "optimizer_states", "lr_schedulers", "global_step", "epoch")
+
+
+def _run(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, str(ROOT / "train.py"), *ARGS, *extra, f"hydra.run.dir={run_dir}"]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _last(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+
+
+def test_sigterm_saves_the_step_exits_143_and_resumes_bitwise(tmp_path):
+    stopped = _run(
+        tmp_path / "stopped", "+callbacks.term._target_=_kill9_scenarios.SigTerm", "+callbacks.term.at_step=3"
+    )
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    assert "Stopped by SIGTERM at step 3" in stopped.stdout + stopped.stderr
+    saved = _last(tmp_path / "stopped")
+    assert saved["global_step"] == 3
+    resumed = _run(tmp_path / "resumed", f"ckpt_path={tmp_path / 'stopped' / 'checkpoints' / 'last.ckpt'}")
+    straight = _run(tmp_path / "straight")
+    assert resumed.returncode == 0 == straight.returncode, (resumed.stderr[-2000:], straight.stderr[-2000:])
+    a, b = _last(tmp_path / "straight"), _last(tmp_path / "resumed")
+    assert a["global_step"] == b["global_step"] == 6
+    for key in COMPARED:
+        flat_a, flat_b = (
+            torch.utils._pytree.tree_flatten(a[key])[0],
+            torch.utils._pytree.tree_flatten(b[key])[0],
+        )
+        assert len(flat_a) == len(flat_b), key
+        for x, y in zip(flat_a, flat_b, strict=True):
+            assert torch.equal(x, y) if torch.is_tensor(x) else x == y, key
+    # not vacuous: the weights moved after the stop
+    assert any(not torch.equal(v, a["state_dict"][k]) for k, v in saved["state_dict"].items())
