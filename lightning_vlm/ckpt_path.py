@@ -27,7 +27,7 @@ def checkpoint_to_load(ckpt_path: str | None, trainer: L.Trainer) -> str | None:
     if not ckpt_path:
         return None
     if str(ckpt_path) in LIGHTNING_KEYWORDS:
-        return str(ckpt_path)
+        return _keyword(str(ckpt_path), trainer)
     if "://" in str(ckpt_path):
         raise ValueError(
             f"ckpt_path={ckpt_path!r} is a URL: train.py and eval.py load local files only (with "
@@ -48,6 +48,23 @@ def checkpoint_to_load(ckpt_path: str | None, trainer: L.Trainer) -> str | None:
                 "wrote (`model.model_name_or_path=<dir>`)."
             )
     return str(path)
+
+
+def _keyword(keyword: str, trainer: L.Trainer) -> str:
+    """Lightning's keyword, where it can find a file. "last" and "best" search this run's checkpoint
+    folders, and every train.py run writes a new one: there Lightning finds nothing, warns, and trains
+    (or evaluates) the initial weights. Refuse that, saying which path to give."""
+    if keyword == "hpc":  # SLURM's own checkpoint in default_root_dir: Lightning resolves it
+        return keyword
+    folders = [Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)]
+    if keyword == "last" and any((folder / "last.ckpt").is_file() for folder in folders):
+        return keyword
+    where = ", ".join(map(str, folders)) or "none: no checkpoint callback"
+    raise FileNotFoundError(
+        f"ckpt_path={keyword}: Lightning looks in this run's own checkpoint folders ({where}), which hold "
+        f"no {keyword} checkpoint (each run writes a new folder). Give the file of the run to resume or "
+        "score, e.g. ckpt_path=logs/<task>/runs/<run>/checkpoints/last.ckpt"
+    )
 
 
 # Lightning's functions that read ckpt_path and load its weights into the module.

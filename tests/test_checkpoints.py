@@ -146,3 +146,19 @@ def test_a_dpo_checkpoint_given_to_sft_names_ckpt_path(tmp_path):
     err = _load_error(ckpt, tmp_path / "sft")
     assert f"ckpt_path={str(ckpt)!r} does not fit this run's SFT module" in str(err)
     assert "Unexpected key(s)" in str(err) and "method=" in str(err)
+
+
+def test_ckpt_path_last_is_taken_only_where_a_last_checkpoint_exists(tmp_path):
+    # A run pinned to a folder that holds last.ckpt (hydra.run.dir=...) may resume with Lightning's
+    # keyword; anywhere else Lightning would find nothing and train the initial weights (refused).
+    import lightning as L
+
+    from lightning_vlm.callbacks.last_checkpoint import LastCheckpoint
+    from lightning_vlm.ckpt_path import checkpoint_to_load
+
+    trainer = L.Trainer(logger=False, callbacks=[LastCheckpoint(dirpath=tmp_path)], enable_progress_bar=False)
+    with pytest.raises(FileNotFoundError, match="ckpt_path=last: Lightning looks in this run's own"):
+        checkpoint_to_load("last", trainer)
+    (tmp_path / "last.ckpt").write_bytes(b"")
+    assert checkpoint_to_load("last", trainer) == "last"
+    assert checkpoint_to_load("hpc", trainer) == "hpc"  # SLURM's, resolved by Lightning in default_root_dir
