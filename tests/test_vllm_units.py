@@ -69,6 +69,11 @@ def test_build_rollouts_cuts_at_end_of_turn_and_flags_off_policy():
     assert r.extras["is_policy"] is False
     with pytest.raises(RuntimeError, match="returned 3 completions, expected 4"):
         build_rollouts(rows, 2, ids[:3], logps[:3], 9, _Tok(), "test")
+    # A 2-token budget: the unfinished ones ([5, 6, 7], [4, 4]) used it up; nothing was cut short.
+    assert build_rollouts(rows, 2, ids, logps, 9, _Tok(), "test", max_new_tokens=2).truncated[1]
+    # [4, 4] without end-of-turn, under a 4-token budget: the engine's max_model_len stopped it
+    with pytest.raises(ValueError, match=r"stopped 2 of 4 completions after 2-3 tokens, before method\.max_"):
+        build_rollouts(rows, 2, ids, logps, 9, _Tok(), "test", max_new_tokens=4)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])

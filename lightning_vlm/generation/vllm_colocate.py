@@ -138,8 +138,9 @@ class VLLMColocateGenerator:
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._adapter)
         ids, logprobs = completions_of(outputs)
         return build_rollouts(
-            rows, num_generations, ids, logprobs, vlm.end_of_turn_id, vlm.tokenizer, "vllm_colocate"
-        )
+            rows, num_generations, ids, logprobs, vlm.end_of_turn_id, vlm.tokenizer, "vllm_colocate",
+            sampling.max_new_tokens,
+        )  # fmt: skip
 
     # ---- weights and memory ------------------------------------------------------------------------
     def sync_weights(self, chunks: Iterable[dict[str, Any]] | None = None) -> float:

@@ -92,8 +92,14 @@ def build_rollouts(
     end_of_turn_id: int,
     tokenizer: Any,
     sampler: str,
+    max_new_tokens: int | None = None,
 ) -> Rollouts:
-    """Rollouts as ``HFGenerator`` returns them, cut after end-of-turn, flagged as not the policy."""
+    """Rollouts as ``HFGenerator`` returns them, cut after end-of-turn, flagged as not the policy.
+
+    A completion without end-of-turn shorter than ``max_new_tokens`` was stopped by the engine's
+    ``max_model_len`` (prompt + completion): vLLM ends it there silently, where HF would go on. That is
+    refused, naming the settings: the rollout would look like an answer cut by the length budget.
+    """
     expected = len(rows) * num_generations
     if len(ids) != expected:
         raise RuntimeError(f"{sampler} returned {len(ids)} completions, expected {expected}")
@@ -105,6 +111,18 @@ def build_rollouts(
         kept_ids.append(kept)
         kept_logps.append(list(logps[: len(kept)]))
         truncated.append(cut)
+    if max_new_tokens is not None:
+        capped = [
+            len(k) for k, cut in zip(kept_ids, truncated, strict=True) if cut and len(k) < max_new_tokens
+        ]
+        if capped:
+            raise ValueError(
+                f"{sampler} stopped {len(capped)} of {len(kept_ids)} completions after {min(capped)}-{max(capped)} "
+                f"tokens, before method.max_completion_length={max_new_tokens}: the engine's max_model_len "
+                "caps prompt + completion. Raise callbacks.vllm_generation.engine.max_model_len (a server you "
+                f"started: --max-model-len) to at least the longest prompt, image tokens included, plus "
+                f"{max_new_tokens}"
+            )
     return Rollouts(
         rows=list(rows),
         completion_ids=kept_ids,

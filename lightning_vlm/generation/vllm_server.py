@@ -142,7 +142,7 @@ class VLLMServerGenerator:
                     [float(t["logprob"]) for t in (choice.get("logprobs") or {}).get("content") or []]
                 )
         rollouts = build_rollouts(rows, num_generations, ids, logprobs, vlm.end_of_turn_id, vlm.tokenizer,
-                                  "vllm_server")  # fmt: skip
+                                  "vllm_server", sampling.max_new_tokens)  # fmt: skip
         rollouts.extras["weight_version"] = version  # the weights these were sampled with
         return rollouts
 
