@@ -7,6 +7,7 @@ tensors and plain values, never code from the file. Lightning would download a U
 
 from __future__ import annotations
 
+import logging
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,20 +15,24 @@ from pathlib import Path
 
 import lightning as L
 
+log = logging.getLogger(__name__)
+
 # Lightning resolves these itself, to files its checkpoint callbacks wrote (loaded like any other path).
 LIGHTNING_KEYWORDS = ("last", "best", "hpc")
 
 
-def checkpoint_to_load(ckpt_path: str | None, trainer: L.Trainer) -> str | None:
+def checkpoint_to_load(ckpt_path: str | None, trainer: L.Trainer, resuming: bool = False) -> str | None:
     """The local checkpoint ``trainer.fit``/``trainer.validate`` may load, or an error saying why not.
 
     URLs are refused (a checkpoint is fetched by hand, then loaded with ``weights_only=True``); a
     folder (FSDP's sharded checkpoints, DeepSpeed's) loads only through the strategy that wrote it.
+    ``resuming`` (train.py): ``ckpt_path=last`` without a ``last.ckpt`` starts from the initial weights,
+    saying so (a requeued job's first start); elsewhere it is refused.
     """
     if not ckpt_path:
         return None
     if str(ckpt_path) in LIGHTNING_KEYWORDS:
-        return _keyword(str(ckpt_path), trainer)
+        return _keyword(str(ckpt_path), trainer, resuming)
     if "://" in str(ckpt_path):
         raise ValueError(
             f"ckpt_path={ckpt_path!r} is a URL: train.py and eval.py load local files only (with "
@@ -50,16 +55,21 @@ def checkpoint_to_load(ckpt_path: str | None, trainer: L.Trainer) -> str | None:
     return str(path)
 
 
-def _keyword(keyword: str, trainer: L.Trainer) -> str:
+def _keyword(keyword: str, trainer: L.Trainer, resuming: bool) -> str | None:
     """Lightning's keyword, where it can find a file. "last" and "best" search this run's checkpoint
-    folders, and every train.py run writes a new one: there Lightning finds nothing, warns, and trains
-    (or evaluates) the initial weights. Refuse that, saying which path to give."""
+    folders, and a train.py run writes a new one unless ``hydra.run.dir`` is pinned: there Lightning
+    finds nothing, warns, and trains (or evaluates) the initial weights. Only a resume may do so, and it
+    says so; otherwise the error says which path to give."""
     if keyword == "hpc":  # SLURM's own checkpoint in default_root_dir: Lightning resolves it
         return keyword
     folders = [Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)]
     if keyword == "last" and any((folder / "last.ckpt").is_file() for folder in folders):
         return keyword
     where = ", ".join(map(str, folders)) or "none: no checkpoint callback"
+    if keyword == "last" and resuming:
+        log.warning("ckpt_path=last: no last.ckpt in %s, so training starts from the initial weights (a "
+                    "run resumes its own folder only when hydra.run.dir is pinned)", where)  # fmt: skip
+        return None
     raise FileNotFoundError(
         f"ckpt_path={keyword}: Lightning looks in this run's own checkpoint folders ({where}), which hold "
         f"no {keyword} checkpoint (each run writes a new folder). Give the file of the run to resume or "

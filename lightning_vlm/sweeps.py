@@ -2,8 +2,10 @@
 
 Hydra's sweepers (basic, Optuna) hand each job's return value (train.py returns
 ``optimized_metric``) to the callbacks in ``hydra.callbacks``; this one collects them and writes
-``summary.json`` and ``summary.md`` to the sweep folder when the multirun ends, and logs the best
-job, so nobody has to dig through job folders to find which settings won.
+``summary.json`` and ``summary.md`` to the sweep folder after every job, and logs the best job when the
+multirun ends, so nobody has to dig through job folders to find which settings won. After every job,
+not only at the end: Hydra's basic sweeper re-raises a failed job's error before the multirun's end
+hook, and the summary of the jobs that ran, the failed one included, is what a user needs then.
 """
 
 from __future__ import annotations
@@ -59,17 +61,24 @@ class SweepSummary(Callback):
             "error": repr(job_return._return_value) if failed else None,
             "dir": str(config.hydra.runtime.output_dir),
         })  # fmt: skip
+        self._write(config)
+
+    def _write(self, config: DictConfig) -> tuple[Path, dict[str, Any] | None]:
+        """Writes the summary of the jobs so far; returns its folder and the best job."""
+        out = Path(str(config.hydra.sweep.dir))
+        best = best_job(self.jobs, self.mode)
+        # torchrun sweeps run every job on every rank; one summary is enough
+        if launcher_rank() == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            summary = {"metric": self.metric, "mode": self.mode, "best": best, "jobs": self.jobs}
+            (out / f"{self.filename}.json").write_text(json.dumps(summary, indent=2))
+            (out / f"{self.filename}.md").write_text(render_markdown(summary))
+        return out, best
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        # torchrun sweeps run every job on every rank; one summary is enough
         if launcher_rank() != 0 or not self.jobs:
             return
-        out = Path(str(config.hydra.sweep.dir))
-        out.mkdir(parents=True, exist_ok=True)
-        best = best_job(self.jobs, self.mode)
-        summary = {"metric": self.metric, "mode": self.mode, "best": best, "jobs": self.jobs}
-        (out / f"{self.filename}.json").write_text(json.dumps(summary, indent=2))
-        (out / f"{self.filename}.md").write_text(render_markdown(summary))
+        out, best = self._write(config)
         if best is None:
             log.warning("Sweep finished: no job reported %s (summary in %s)", self.metric, out)
         else:

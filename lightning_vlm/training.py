@@ -123,7 +123,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     check_launch(trainer)
     # A local file or folder only (a URL would be unpickled with weights_only=False), loaded weights-only.
-    ckpt_path = checkpoint_to_load(cfg.get("ckpt_path"), trainer)
+    ckpt_path = checkpoint_to_load(cfg.get("ckpt_path"), trainer, resuming=True)
 
     for lg in loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))

@@ -148,9 +148,10 @@ def test_a_dpo_checkpoint_given_to_sft_names_ckpt_path(tmp_path):
     assert "Unexpected key(s)" in str(err) and "method=" in str(err)
 
 
-def test_ckpt_path_last_is_taken_only_where_a_last_checkpoint_exists(tmp_path):
+def test_ckpt_path_last_is_taken_only_where_a_last_checkpoint_exists(tmp_path, caplog):
     # A run pinned to a folder that holds last.ckpt (hydra.run.dir=...) may resume with Lightning's
-    # keyword; anywhere else Lightning would find nothing and train the initial weights (refused).
+    # keyword. Without one, eval.py would score the initial weights (refused); a training run starts
+    # from them, saying so (a requeued job's first start).
     import lightning as L
 
     from lightning_vlm.callbacks.last_checkpoint import LastCheckpoint
@@ -159,6 +160,10 @@ def test_ckpt_path_last_is_taken_only_where_a_last_checkpoint_exists(tmp_path):
     trainer = L.Trainer(logger=False, callbacks=[LastCheckpoint(dirpath=tmp_path)], enable_progress_bar=False)
     with pytest.raises(FileNotFoundError, match="ckpt_path=last: Lightning looks in this run's own"):
         checkpoint_to_load("last", trainer)
+    assert checkpoint_to_load("last", trainer, resuming=True) is None
+    assert "training starts from the initial weights" in caplog.text
+    with pytest.raises(FileNotFoundError, match="ckpt_path=best"):
+        checkpoint_to_load("best", trainer, resuming=True)
     (tmp_path / "last.ckpt").write_bytes(b"")
-    assert checkpoint_to_load("last", trainer) == "last"
+    assert checkpoint_to_load("last", trainer) == checkpoint_to_load("last", trainer, resuming=True) == "last"
     assert checkpoint_to_load("hpc", trainer) == "hpc"  # SLURM's, resolved by Lightning in default_root_dir

@@ -65,6 +65,20 @@ def test_train_py_runs_two_steps_of_every_method_in_one_sweep_and_exits_0(tmp_pa
 
 
 @pytest.mark.slow
+def test_a_sweep_with_a_failed_job_still_writes_the_summary_of_every_job(tmp_path):
+    # Hydra's basic sweeper re-raises the failed job's error before the multirun's end: the summary
+    # written after each job is what is left, the failure with its error.
+    proc = _run(["-m", "data.batch_size=4,0", "trainer.max_steps=2", "data.synthetic.num_val=8",
+                 "logger=csv"], tmp_path)  # fmt: skip
+    assert proc.returncode != 0
+    (summary_file,) = (tmp_path / "logs").glob("*/multiruns/*/summary.json")
+    jobs = json.loads(summary_file.read_text())["jobs"]
+    assert [j["status"] for j in jobs] == ["completed", "failed"]
+    assert "data.batch_size must be > 0" in jobs[1]["error"]
+    assert "| failed |" in (summary_file.parent / "summary.md").read_text()
+
+
+@pytest.mark.slow
 def test_optuna_sweep_runs_trials_and_writes_its_summary(tmp_path):
     proc = _run(["-m", "hparams_search=sft_optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.n_startup_trials=2",
                  "trainer.max_steps=2", "data.synthetic.num_val=8", "data.synthetic.num_train=64"], tmp_path)  # fmt: skip
