@@ -41,9 +41,12 @@ class SweepSummary(Callback):
         self.jobs: list[dict[str, Any]] = []
         self.metric: str | None = None
         self.mode = "max"
+        self.sweep_dir: Path | None = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.jobs = []
+        # The base config's folder: a sweep over methods gives each job its own task's sweep folder.
+        self.sweep_dir = Path(str(config.hydra.sweep.dir))
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         self.metric = config.get("optimized_metric")
@@ -65,7 +68,7 @@ class SweepSummary(Callback):
 
     def _write(self, config: DictConfig) -> tuple[Path, dict[str, Any] | None]:
         """Writes the summary of the jobs so far; returns its folder and the best job."""
-        out = Path(str(config.hydra.sweep.dir))
+        out = self.sweep_dir or Path(str(config.hydra.sweep.dir))
         best = best_job(self.jobs, self.mode)
         # torchrun sweeps run every job on every rank; one summary is enough
         if launcher_rank() == 0:
