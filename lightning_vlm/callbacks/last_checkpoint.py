@@ -4,7 +4,8 @@ Lightning's ``ModelCheckpoint(monitor=..., save_last=True)`` writes ``last.ckpt`
 top-k checkpoint, i.e. when the monitored metric improves at a validation: a crash loses everything
 since then. This callback is a second ``ModelCheckpoint`` beside the best-by-metric one (Lightning's way
 of combining schedules): no monitor, no top-k files, only ``last.ckpt``, written every
-``every_n_train_steps`` optimizer steps and once more when fit ends, or when the job is told to stop
+``every_n_train_steps`` optimizer steps, at the batch where fit is stopped early (``max_time``, early
+stopping), once more when fit ends, or when the job is told to stop
 (SIGTERM: a preemption, a scheduler's time limit, ``kill``), so a preempted run loses no step.
 """
 
@@ -54,23 +55,26 @@ class LastCheckpoint(ModelCheckpoint):
         before = step if self._step_before is None else self._step_before
         self._step_before = step
         due = every >= 1 and step // every > before // every
-        # The last step of a max_steps run is saved here, not in on_train_end: by then Lightning has
-        # marked the epoch finished, and a resume from that state would skip the rest of the epoch.
+        # The last step of a max_steps run, and a stop asked for in this batch (max_time's Timer; our
+        # hook runs after every other callback's, as Lightning orders checkpoint callbacks last), are
+        # saved here, not in on_train_end: by then Lightning has marked the epoch finished, and a
+        # resume from that state would skip the rest of the epoch.
         last_step = 0 < trainer.max_steps <= step
-        if (due or last_step) and not self._should_skip_saving_checkpoint(trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if due or last_step or trainer.should_stop:
+            self._save_now(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Nothing: ``last.ckpt`` follows the step schedule, not epochs."""
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Nothing: validations are the best-by-metric checkpoint's business."""
+        """Saves when this validation stopped fit (early stopping); the rest is the best-by-metric
+        checkpoint's business."""
+        if trainer.should_stop and not trainer.sanity_checking:
+            self._save_now(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """The final state of a fit that ended otherwise (max_epochs, max_time, a callback's stop), unless
-        it was just written."""
-        if not self._should_skip_saving_checkpoint(trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        """The final state of a fit that ended otherwise (max_epochs), unless it was just written."""
+        self._save_now(trainer)
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
@@ -78,5 +82,9 @@ class LastCheckpoint(ModelCheckpoint):
         """On SIGTERM, the state after the last finished batch. Lightning stops at a batch's end when the
         signal came (every rank together), so that state is whole; other exceptions may strike mid-step
         and leave the previous ``last.ckpt`` alone."""
-        if isinstance(exception, SIGTERMException) and not self._should_skip_saving_checkpoint(trainer):
+        if isinstance(exception, SIGTERMException):
+            self._save_now(trainer)
+
+    def _save_now(self, trainer: L.Trainer) -> None:
+        if not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))

@@ -1,0 +1,62 @@
+"""A fit stopped early mid-epoch (``max_time``, early stopping, any callback setting ``should_stop``)
+leaves a ``last.ckpt`` that resumes where it stopped, in the same epoch, to the uninterrupted run's
+weights. It used to resume at the next epoch: Lightning closes the epoch before ``on_train_end``, where
+``last.ckpt`` was written, so the rest of the stopped epoch's data was never trained on."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from helpers import compose_train
+from lightning_vlm.training import train
+
+COMMON = ["logger=none", "callbacks=model_checkpoint", "~callbacks.model_checkpoint",
+          "callbacks.last_checkpoint.every_n_train_steps=1000", "trainer.enable_progress_bar=false",
+          "data.batch_size=4", "data.synthetic.num_train=32", "data.synthetic.num_val=4", "seed=0",
+          "trainer.max_steps=6"]  # fmt: skip  # 8 batches an epoch: a stop at step 3 is mid-epoch
+
+
+class StopAt(L.Callback):
+    """Sets ``trainer.should_stop`` at ``at_step`` in ``hook``, as Lightning's Timer (a train batch's end)
+    or EarlyStopping (a validation's end) do."""
+
+    def __init__(self, at_step: int, hook: str) -> None:
+        self.at_step, self.hook = at_step, hook
+
+    def _maybe_stop(self, trainer: L.Trainer) -> None:
+        if trainer.global_step == self.at_step and not trainer.sanity_checking:
+            trainer.should_stop = True
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        if self.hook == "train_batch_end":
+            self._maybe_stop(trainer)
+
+    def on_validation_end(self, trainer: L.Trainer, *args) -> None:
+        if self.hook == "validation_end":
+            self._maybe_stop(trainer)
+
+
+def _weights(out) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in out["module"].vlm.model.named_parameters()}
+
+
+@pytest.mark.parametrize("hook", ["train_batch_end", "validation_end"])
+def test_a_fit_stopped_mid_epoch_resumes_in_that_epoch(tmp_path, hook):
+    # Validation every batch, so that a validation's end falls mid-epoch, as with val_check_interval.
+    common = [*COMMON, "trainer.val_check_interval=1", "trainer.limit_val_batches=1"]
+    _, straight = train(compose_train(common, tmp_path / "straight"))
+    stop = ["+callbacks.stop._target_=test_resume_after_stop.StopAt", "+callbacks.stop.at_step=3",
+            f"+callbacks.stop.hook={hook}"]  # fmt: skip
+    _, stopped = train(compose_train([*common, *stop], tmp_path / "stopped"))
+    assert stopped["trainer"].global_step == 3
+    last = tmp_path / "stopped" / "checkpoints" / "last.ckpt"
+    saved = torch.load(last, map_location="cpu", weights_only=True)
+    assert saved["global_step"] == 3 and saved["epoch"] == 0
+    _, resumed = train(compose_train([*common, f"ckpt_path={last}"], tmp_path / "resumed"))
+    assert resumed["trainer"].global_step == 6
+    assert resumed["trainer"].current_epoch == straight["trainer"].current_epoch
+    a, b = _weights(straight), _weights(resumed)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
