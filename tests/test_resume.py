@@ -78,7 +78,7 @@ def test_a_checkpoint_on_the_last_batch_of_an_epoch_does_not_shorten_the_next():
     loader.sampler.set_epoch(0)
     assert len(_epoch(loader)) == 8
     state = loader.state_dict()
-    assert state == {"epoch": 0, "batches": 2, "samples": 8, "world_size": 1}
+    assert state == {"epoch": 0, "batches": 2, "samples": 8, "world_size": 1, "batch_size": 4}
     resumed = ResumableDataLoader(list(range(8)), batch_size=4, seed=0, collate_fn=list)
     resumed.load_state_dict(state)
     assert _epoch(resumed) == []  # epoch 0 was complete
@@ -100,6 +100,25 @@ def test_a_two_process_position_continues_on_one_process_with_a_warning(caplog):
     one = ResumableDataLoader(list(range(12)), batch_size=4, seed=5, collate_fn=list)
     with caplog.at_level("WARNING"):
         one.load_state_dict(state)
-    assert any("written by 2 processes on 1" in r.getMessage() for r in caplog.records)
+    assert any("written by 2 processes at" in m and "with 1 processes at" in m for m in caplog.messages)
     rest = _epoch(one)
     assert sorted(seen + rest) == list(range(12))
+
+
+def test_a_resume_with_a_larger_batch_trains_the_rest_of_the_epoch(tmp_path, caplog):
+    """Lightning counts an epoch's batches; the loader counts samples. A resume with another global batch
+    (``data.batch_size``, or more processes) used to end the epoch when Lightning's count, carried over
+    from the old batch size, reached the new epoch length: here after 3 of the 6 batches left."""
+    ckpt_dir = tmp_path / "a" / "ckpt"
+    first = [*COMMON, "trainer.max_steps=5",  # 20 of 64 rows
+             "+callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint", f"+callbacks.ckpt.dirpath={ckpt_dir}",
+             "+callbacks.ckpt.every_n_train_steps=5", "+callbacks.ckpt.filename=mid"]  # fmt: skip
+    train(compose_train(first, tmp_path / "a"))
+    resume = [*COMMON, "data.batch_size=8", "trainer.max_steps=-1", "trainer.max_epochs=1",
+              f"ckpt_path={ckpt_dir / 'mid.ckpt'}"]  # fmt: skip
+    with caplog.at_level("WARNING"):
+        _, resumed = train(compose_train(resume, tmp_path / "b"))
+    # the 44 rows left, in batches of 8: 5 whole ones and a last of 4
+    assert resumed["trainer"].global_step == 5 + 6
+    assert resumed["trainer"].train_dataloader.state_dict()["samples"] == 64
+    assert any("at 4 rows a step with 1 processes at 8 rows a step" in r.getMessage() for r in caplog.records)

@@ -1,6 +1,11 @@
-"""A repair of Lightning's epoch counters after a resume from a checkpoint on an epoch's last batch.
+"""Repairs of Lightning's epoch counters after a resume, which ``train()`` adds to every run.
 
-``train()`` adds :class:`NextEpochAfterRestart` to every run. The case it repairs: a checkpoint written at
+:class:`BatchCountAfterResume`: Lightning ends an epoch when its count of the epoch's batches reaches
+the loader's length, and restores that count from the checkpoint; our loader resumes by samples. With
+another global batch (``data.batch_size``, or another number of processes) the restored count is in
+the old batch size, so the epoch ended early (with batches of 4 -> 8, after 3 of the 6 batches left).
+
+:class:`NextEpochAfterRestart`. The case it repairs: a checkpoint written at
 the end of an epoch's last batch (``last.ckpt`` on a step schedule that lands there, or a kill just
 after it) records the epoch as started but not finished. On resume, Lightning's ``FitLoop.reset``
 finishes that epoch (``processed``/``completed`` go up), but its restart stage stays "mid-epoch", so the
@@ -15,6 +20,8 @@ from __future__ import annotations
 
 import lightning as L
 
+from lightning_vlm.data.resumable import ResumableDataLoader
+
 
 class NextEpochAfterRestart(L.Callback):
     """After a resume that closed the restarted epoch, lets the next epoch start as a fresh one (counted
@@ -28,3 +35,23 @@ class NextEpochAfterRestart(L.Callback):
         # finished the restarted epoch, and what follows is a new one.
         if getattr(loop, "restarted_mid_epoch", False) and progress.ready == progress.processed:
             loop.reset_restart_stage()
+
+
+class BatchCountAfterResume(L.Callback):
+    """After a resume with another global batch, sets Lightning's count of the epoch's batches so that
+    the batches the loader has left end the epoch, as the loader's data does."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Runs after the loader's position is restored, before the epoch loop reads the count."""
+        loader = trainer.train_dataloader
+        if not isinstance(loader, ResumableDataLoader) or not loader.resumed_with_other_batch:
+            return
+        done = max(0, int(trainer.num_training_batches) - loader.batches_left())
+        # Lightning steps when the count is a multiple of accumulate_grad_batches (or at the epoch's last
+        # batch): rounding down keeps whole accumulations, and the loader still ends the epoch.
+        done -= done % trainer.accumulate_grad_batches
+        current = trainer.fit_loop.epoch_loop.batch_progress.current
+        # All four move together: a checkpoint saved at a batch's end holds completed = ready - 1.
+        shift = done - current.ready
+        current.ready, current.started = current.ready + shift, current.started + shift
+        current.processed, current.completed = current.processed + shift, current.completed + shift

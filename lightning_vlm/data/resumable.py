@@ -10,7 +10,9 @@ together is then ``order[k·B·W : (k+1)·B·W]``: the rows one process with bat
 Lightning saves ``state_dict()`` of any train loader that has one into the checkpoint and calls
 ``load_state_dict`` before iterating again on resume. The position is kept as the number of samples
 of the epoch's order that all ranks consumed together, so a run resumed on another world size
-continues from the same place in the order (with a warning: batches are then cut differently).
+continues from the same place in the order (with a warning: batches are then cut differently);
+:class:`lightning_vlm.callbacks.resume.BatchCountAfterResume` then tells Lightning, which counts an
+epoch's batches, how many of the new size are left.
 """
 
 from __future__ import annotations
@@ -104,6 +106,8 @@ class ResumableDataLoader(DataLoader):
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
         self._fetched = 0  # batches handed out in this pass over the current epoch
         self._start = 0  # samples (all ranks) of the current epoch consumed before this pass began
+        # Set by load_state_dict when the checkpoint's global batch (rows per step, all ranks) differs.
+        self.resumed_with_other_batch = False
 
     def __iter__(self):
         sampler: EpochSeededSampler = self.sampler
@@ -123,19 +127,32 @@ class ResumableDataLoader(DataLoader):
             "batches": self._start // (self.batch_size * sampler.num_replicas) + self._fetched,
             "samples": min(consumed, sampler.length),
             "world_size": sampler.num_replicas,
+            "batch_size": self.batch_size,
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue the saved epoch after the samples it had consumed."""
         sampler: EpochSeededSampler = self.sampler
         world = state.get("world_size", 1)
-        # Checkpoints of earlier versions hold only the batch count of one process.
-        samples = state.get("samples", state["batches"] * self.batch_size * world)
-        if world != sampler.num_replicas:
+        # Checkpoints of earlier versions hold only the batch count of one process, or no batch size.
+        batch = state.get("batch_size", self.batch_size)
+        samples = state.get("samples", state["batches"] * batch * world)
+        self.resumed_with_other_batch = batch * world != self.batch_size * sampler.num_replicas
+        if world != sampler.num_replicas or self.resumed_with_other_batch:
             log.warning(
-                "resuming a checkpoint written by %d processes on %d: the data order continues at sample %d "
-                "of epoch %d, but batches are cut differently, so the run will not match an uninterrupted one",
-                world, sampler.num_replicas, samples, state["epoch"],
+                "resuming a checkpoint written by %d processes at %d rows a step with %d processes at %d rows a "
+                "step: the data order continues at sample %d of epoch %d, but batches are cut differently, so "
+                "the run will not match an uninterrupted one",
+                world, batch * world, sampler.num_replicas, self.batch_size * sampler.num_replicas, samples,
+                state["epoch"],
             )  # fmt: skip
         sampler.epoch = state["epoch"]
         sampler.resume_at(state["epoch"], samples)
+
+    def batches_left(self) -> int:
+        """Batches the next pass over the current epoch hands out (all of them without a resume)."""
+        sampler: EpochSeededSampler = self.sampler
+        resume = sampler._resume
+        start = min(resume[1], sampler.length) if resume is not None and resume[0] == sampler.epoch else 0
+        per_rank = math.ceil((sampler.length - start) / sampler.num_replicas)
+        return math.ceil(per_rank / self.batch_size) if not self.drop_last else per_rank // self.batch_size
