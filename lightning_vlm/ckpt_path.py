@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +57,29 @@ def checkpoint_to_load(ckpt_path: str | None, trainer: L.Trainer, resuming: bool
     return str(path)
 
 
+def last_checkpoint(callbacks: Iterable[Any]) -> Path | None:
+    """The newest ``last.ckpt`` (a file, or FSDP's folder) in the folders of ``callbacks``' checkpoint
+    callbacks: what Lightning's ``ckpt_path=last`` loads. train.py reads the W&B run id from it before
+    the Trainer exists, so it takes the callbacks, not a Trainer."""
+    found = [
+        Path(c.dirpath) / "last.ckpt"
+        for c in callbacks
+        if isinstance(c, ModelCheckpoint) and c.dirpath and (Path(c.dirpath) / "last.ckpt").exists()
+    ]
+    return max(found, key=lambda f: f.stat().st_mtime) if found else None
+
+
 def _keyword(keyword: str, trainer: L.Trainer, resuming: bool) -> str | None:
-    """Lightning's keyword, where it can find a file. "last" and "best" search this run's checkpoint
+    """Lightning's keyword, where it can find a file ("last": that file's path). "last" and "best" search this run's checkpoint
     folders, and a train.py run writes a new one unless ``hydra.run.dir`` is pinned: there Lightning
     finds nothing, warns, and trains (or evaluates) the initial weights. Only a resume may do so, and it
     says so; otherwise the error says which path to give."""
     if keyword == "hpc":  # SLURM's own checkpoint in default_root_dir: Lightning resolves it
         return keyword
+    found = last_checkpoint(trainer.checkpoint_callbacks) if keyword == "last" else None
+    if found is not None:
+        return str(found)
     folders = [Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)]
-    if keyword == "last" and any((folder / "last.ckpt").is_file() for folder in folders):
-        return keyword
     where = ", ".join(map(str, folders)) or "none: no checkpoint callback"
     if keyword == "last" and resuming:
         log.warning("ckpt_path=last: no last.ckpt in %s, so training starts from the initial weights (a "

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 import lightning_vlm.config  # noqa: F401  (registers the ${tiny_vlm:...} resolver)
 from lightning_vlm.callbacks.resume import BatchCountAfterResume, NextEpochAfterRestart
 from lightning_vlm.callbacks.run_report import finish_reports
-from lightning_vlm.ckpt_path import checkpoint_to_load, restore_errors
+from lightning_vlm.ckpt_path import checkpoint_to_load, last_checkpoint, restore_errors
 from lightning_vlm.loggers import WandbRunId, builds_wandb, finish_runs, wandb_run_id
 from lightning_vlm.models.scale_guard import check_model_scale
 from lightning_vlm.parallel.collectives import launcher_rank
@@ -116,10 +116,15 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     """Runs one training job; returns the final logged metrics and the objects it built."""
     shut_down_at_exit()  # before any process group exists (see parallel/teardown.py)
     datamodule, module = build(cfg)
+    callbacks = instantiate_group(cfg.get("callbacks"))
     # The logger exists before the checkpoint loads (the Trainer takes it): a resumed run's W&B id is
-    # read from ckpt_path first, so the run continues instead of starting a second one.
-    loggers = instantiate_loggers(cfg.get("logger"), wandb_run_id(cfg.get("ckpt_path")))
-    callbacks = drop_refused(instantiate_group(cfg.get("callbacks")), cfg.trainer, bool(loggers))
+    # read from ckpt_path first, so the run continues instead of starting a second one. "last" is read
+    # from the file the fit will load (a requeued job's).
+    ckpt = cfg.get("ckpt_path")
+    loggers = instantiate_loggers(
+        cfg.get("logger"), wandb_run_id(last_checkpoint(callbacks) if ckpt == "last" else ckpt)
+    )
+    callbacks = drop_refused(callbacks, cfg.trainer, bool(loggers))
     callbacks += resume_callbacks(loggers)
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     check_launch(trainer)

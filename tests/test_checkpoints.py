@@ -165,5 +165,6 @@ def test_ckpt_path_last_is_taken_only_where_a_last_checkpoint_exists(tmp_path, c
     with pytest.raises(FileNotFoundError, match="ckpt_path=best"):
         checkpoint_to_load("best", trainer, resuming=True)
     (tmp_path / "last.ckpt").write_bytes(b"")
-    assert checkpoint_to_load("last", trainer) == checkpoint_to_load("last", trainer, resuming=True) == "last"
+    found = str(tmp_path / "last.ckpt")  # the file itself, from which train.py also reads the W&B run id
+    assert checkpoint_to_load("last", trainer) == checkpoint_to_load("last", trainer, resuming=True) == found
     assert checkpoint_to_load("hpc", trainer) == "hpc"  # SLURM's, resolved by Lightning in default_root_dir

@@ -51,6 +51,17 @@ def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, monkeypatch):
     assert wandb_run_id(tmp_path / "b" / "checkpoints" / "last.ckpt") == run_id
 
 
+def test_ckpt_path_last_continues_the_wandb_run_of_the_checkpoint_it_finds(tmp_path, monkeypatch):
+    # A requeued job: the same run folder, ckpt_path=last. The id used to be read from the keyword itself
+    # (no file), so every requeue started a new W&B run.
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    _, first = train(compose_train([*FAST, "trainer.max_steps=2"], tmp_path))
+    run_id = first["trainer"].logger.version
+    _, second = train(compose_train([*FAST, "trainer.max_steps=4", "ckpt_path=last"], tmp_path))
+    assert second["trainer"].global_step == 4 and second["trainer"].logger.version == run_id
+
+
 def test_a_logger_node_that_names_its_run_keeps_it_and_other_loggers_get_no_id(tmp_path):
     cfg = compose_train(["logger=many_loggers", "logger.wandb.offline=true"], tmp_path)
     wandb, csv = instantiate_loggers(cfg.logger, "from-ckpt")
