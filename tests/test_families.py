@@ -12,9 +12,10 @@ import math
 
 import pytest
 import torch
+from PIL import Image
 
 from helpers import CONF, TowerCounter, compose_train, mixed_rows
-from lightning_vlm.methods.preference_batch import encode_pairs
+from lightning_vlm.methods.preference_batch import answer_ids, encode_pairs
 from lightning_vlm.models.families import FAMILIES, family_of
 from lightning_vlm.models.image_tokens import repeat_samples
 from lightning_vlm.models.tiny import TINY_FAMILIES
@@ -94,6 +95,38 @@ def test_dpo_pairs_of_a_mixed_batch_score_as_each_row_alone(vlms, family):
                 torch.testing.assert_close(got, solo[j][alone.completion_mask[j]], atol=1e-5, rtol=0)
     # One vision pass for the mixed batch (chosen and rejected share it), one per row alone with images.
     assert tower.calls == 1 + 2
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_sft_tokenises_prompt_and_answer_apart_as_dpo_and_generation_do(vlms, family):
+    # An answer starting with whitespace merged with the generation prompt's last character into one
+    # token (Gemma 3: "model\n" + "\n\nred" -> "\n\n\n"), which SFT labelled and generation never makes.
+    vlm = vlms(family)
+    image = Image.new("RGB", (56, 56), "red")
+
+    def user(q: str, with_image: bool = False) -> dict:
+        return {
+            "role": "user",
+            "content": [*([{"type": "image"}] if with_image else []), {"type": "text", "text": q}],
+        }
+
+    def assistant(a: str) -> dict:
+        return {"role": "assistant", "content": [{"type": "text", "text": a}]}
+
+    turns = [[user("What colour?", True), assistant(a)] for a in ("\n\nred", "red", " red")]
+    turns.append([user("What colour?", True), assistant("blue"), user("And now?"), assistant("\n\ngreen")])
+    batch = vlm.encode_sft([{"messages": m, "images": [image]} for m in turns])
+    for b, messages in enumerate(turns):
+        labelled = batch["input_ids"][b][batch["labels"][b] != -100].tolist()
+        answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        expected = [t for i in answers for t in answer_ids(vlm, messages[:i], messages[i : i + 1], "test")]
+        assert labelled == expected, (b, labelled, expected)
+        prompt = vlm.encode_prompts([messages[: answers[0]]], [[image]])["input_ids"][0].tolist()
+        whole = prompt + answer_ids(
+            vlm, messages[: answers[0]], messages[answers[0] : answers[0] + 1], "test"
+        )
+        assert batch["input_ids"][b][: len(whole)].tolist() == whole, b
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape
 
 
 @pytest.mark.parametrize("family", MIXED_CASES)

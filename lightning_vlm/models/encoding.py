@@ -8,7 +8,8 @@ Assistant labels are found without ``{% generation %}`` markers (few templates h
 spans from the end of ``render(messages[:i], add_generation_prompt=True)`` to the end of its
 end-of-turn token in ``render(messages[:i+1])``. Those character spans are moved through the
 processor's placeholder expansion (``return_text_replacement_offsets``) and matched to tokens
-through the tokenizer's offsets.
+through the tokenizer's offsets. A token that straddles a turn's first character is split there
+(``token_boundaries``), so prompt and answer are tokenised apart, as in generation and DPO.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from PIL import Image
 
 from .family_rules import image_token_id
 from .image_tokens import NUM_IMAGES_KEY
+from .token_boundaries import TYPE_ID_KEYS, is_token_key, split_straddling
 
 IGNORE_INDEX = -100
-TYPE_ID_KEYS = ("token_type_ids", "mm_token_type_ids")
 
 
 def render(processor, messages: list[dict], add_generation_prompt: bool = False) -> str:
@@ -106,6 +107,10 @@ def encode_sft(processor, config, rows: list[dict], end_of_turn: str, max_length
     if replacements is None or isinstance(replacements, torch.Tensor):
         # None, or (InternVL, no image in the batch) an empty tensor: nothing was expanded.
         replacements = [[] for _ in rows]
+    starts_of_turns = [[_expanded(lo, replacements[b]) for lo, _ in row] for b, row in enumerate(spans)]
+    batch, offsets = split_straddling(
+        batch, offsets, starts_of_turns, list(texts), replacements, processor.tokenizer
+    )
     labels = torch.full_like(batch["input_ids"], IGNORE_INDEX)
     for b, sample_spans in enumerate(spans):
         starts, ends = offsets[b, :, 0], offsets[b, :, 1]
@@ -134,14 +139,7 @@ def _truncate_right(batch: dict, max_length: int, image_id: int) -> dict:
             )
     if batch["input_ids"].shape[1] <= max_length:
         return batch
-    return {k: (v[:, :max_length] if _is_token_key(k, v, batch) else v) for k, v in batch.items()}
-
-
-def _is_token_key(key: str, value, batch: dict) -> bool:
-    return (
-        key in ("input_ids", "attention_mask", "labels", *TYPE_ID_KEYS)
-        and value.shape == batch["input_ids"].shape
-    )
+    return {k: (v[:, :max_length] if is_token_key(k, v, batch) else v) for k, v in batch.items()}
 
 
 def encode_prompts(processor, prompts: list[list[dict]], images: Sequence[Sequence[Image.Image]]) -> dict:
