@@ -204,6 +204,23 @@ def test_steps_per_generation_and_iterations_step_the_optimizer_and_report_updat
     assert trainer.callback_metrics["train/ratio/max"] > 1.0
 
 
+def test_ratio_extremes_of_a_generation_do_not_depend_on_micro_batches(tiny_path, rows):
+    # ratio/min and ratio/max were weighted means of each micro-batch's extreme: smaller micro-batches
+    # hid the off-policy tail they are logged to show.
+    logged = {}
+    for micro in (1, 4):
+        torch.manual_seed(0)
+        vlm = VLM(tiny_path("qwen2_5_vl"))
+        module = GRPO(vlm, optimizer=sgd(0.5), reward_funcs=[token_reward_fn], num_generations=4, num_iterations=2,
+                      max_completion_length=4, micro_batch_size=micro, max_grad_norm=None)  # fmt: skip
+        module.generator = FixedGenerator(sample_rollouts(vlm, rows, 4, max_new_tokens=4))
+        metrics = fit_steps(module, rows, steps=2).callback_metrics
+        logged[micro] = (float(metrics["train/ratio/min"]), float(metrics["train/ratio/max"]))
+    low, high = logged[4]
+    assert low < 0.99 and high > 1.01, "the second pass must be off-policy for the test to mean anything"
+    assert logged[1] == pytest.approx(logged[4], rel=1e-4)
+
+
 def test_sampler_logprobs_drive_the_importance_correction_when_the_sampler_is_not_the_policy(tiny_path, rows):
     vlm = VLM(tiny_path("qwen2_5_vl"))
     rollouts = sample_rollouts(vlm, rows, 2, max_new_tokens=4)

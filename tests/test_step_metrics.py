@@ -62,3 +62,17 @@ def test_two_accumulated_micro_batches_log_what_one_batch_logs(method, tmp_path)
     for key, value in step.items():
         # float noise only: the same rows, padded in batches of other shapes
         assert parts[key] == pytest.approx(float(value), rel=1e-3, abs=1e-5), key
+
+
+def test_tied_groups_are_the_groups_the_zero_std_filter_drops():
+    from lightning_vlm.methods.dynamic_sampling import zero_std_filter
+    from lightning_vlm.methods.online_metrics import tied_groups
+
+    nan = float("nan")
+    # a tie with one None reward (its advantages are all 0), spread, all None, one valid reward
+    grouped = torch.tensor([[1, 1, nan, 1], [0, 1, nan, 1], [nan] * 4, [2, nan, nan, nan]])
+    assert tied_groups(grouped).tolist() == [True, False, True, True]  # the first read as spread before
+    torch.manual_seed(0)
+    for _ in range(200):
+        group = torch.randint(0, 3, (4,)).float().masked_fill(torch.rand(4) < 0.3, nan)
+        assert bool(tied_groups(group[None])[0]) is not zero_std_filter(group, group[:, None])

@@ -64,11 +64,12 @@ def _level_mean(x: torch.Tensor, mask: torch.Tensor, level: Level) -> torch.Tens
 
 
 def _masked_min_max(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(min, max) of x over active tokens; (0, 0) for an empty mask."""
+    """(min, max) of x over active tokens; (NaN, NaN) for an empty mask: no extreme to report, and a
+    step's extremes over its micro-batches (methods/online.py) skip it, where a 0 would be the minimum."""
     active = mask.bool()
     if not active.any():
-        zero = x.new_zeros(())
-        return zero, zero
+        nan = x.new_full((), float("nan"))
+        return nan, nan
     return x[active].min(), x[active].max()
 
 

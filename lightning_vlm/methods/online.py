@@ -39,7 +39,13 @@ from lightning_vlm.losses.importance import rollout_correction, split_trl_mode
 from lightning_vlm.methods.common import clip_gradients, configure_optimizers, greedy_answer_hits
 from lightning_vlm.methods.completions import CompletionRecorder, rollout_samples
 from lightning_vlm.methods.dynamic_sampling import DynamicSampling
-from lightning_vlm.methods.online_metrics import MissingRewardWarning, log_synced, rollout_metrics
+from lightning_vlm.methods.online_metrics import (
+    EXTREMES,
+    MissingRewardWarning,
+    log_synced,
+    rollout_metrics,
+    step_value,
+)
 from lightning_vlm.methods.online_sampling import RolloutSampling
 from lightning_vlm.methods.rollout_buffer import (
     RolloutBatch,
@@ -206,7 +212,7 @@ class OnlineRL(RolloutSampling):
                         self.manual_backward(loss)
                     metrics["loss"].append(loss.detach())
                     for k, v in stats.items():
-                        metrics[k].append(v * len(index) / len(step.index))
+                        metrics[k].append(v if k.endswith(EXTREMES) else v * len(index) / len(step.index))
                 clip_gradients(self, opt, hp.max_grad_norm)
                 opt.step()
                 if sched is not None:
@@ -215,7 +221,7 @@ class OnlineRL(RolloutSampling):
         steps = hp.num_iterations * len(chunks)
         # Loss terms add up over a step's micro-batches; the stats were weighted to a mean per step.
         # Each rank's loss is its share of the step's loss: the mean over ranks is the step's loss.
-        log_synced(self, {f"train/{k}": torch.stack(v).sum() / steps for k, v in metrics.items()}, len(rows))
+        log_synced(self, {f"train/{k}": step_value(k, v, steps) for k, v in metrics.items()}, len(rows))
 
     def _run_root_call(self) -> Any:
         # The method parallel.steps.root_forward routes through the root FSDP module's forward.

@@ -35,6 +35,16 @@ def nanstd(x: torch.Tensor) -> torch.Tensor:
     return valid.std().to(x) if valid.numel() > 1 else x.new_zeros(())
 
 
+def tied_groups(grouped: torch.Tensor) -> torch.Tensor:
+    """Per group (a row of ``grouped``), whether its rewards carry no spread to learn from: fewer than two
+    valid (non-None) rewards, or all valid ones equal. dynamic_sampling's ``zero_std`` filter drops exactly
+    these groups. TRL's metric differs on a group whose rewards are all None (its std is NaN, not 0)."""
+    valid = ~grouped.isnan()
+    high = grouped.masked_fill(~valid, float("-inf")).amax(-1)
+    low = grouped.masked_fill(~valid, float("inf")).amin(-1)
+    return (valid.sum(-1) < 2) | (high == low)
+
+
 def rollout_metrics(
     batch: RolloutBatch, num_generations: int, reward_names: list[str]
 ) -> dict[str, torch.Tensor]:
@@ -57,9 +67,7 @@ def rollout_metrics(
         "reward": torch.nanmean(rewards),
         "reward_std": nanstd(rewards),
         "frac_reward_none": rewards.isnan().double().mean(),
-        "frac_reward_zero_std": (grouped.nan_to_num(-1e9).std(-1) == 0).float().mean()
-        if num_generations > 1
-        else torch.ones((), device=rewards.device),  # one sample per prompt: no spread to learn from
+        "frac_reward_zero_std": tied_groups(grouped).double().mean(),
         "advantages/mean": advantages.mean(),
         "advantages/std": advantages.std() if len(advantages) > 1 else advantages.new_zeros(()),
         "advantages/abs_mean": advantages.abs().mean(),
@@ -72,6 +80,22 @@ def rollout_metrics(
         values[f"rewards/{name}/mean"] = torch.nanmean(column)
         values[f"rewards/{name}/std"] = nanstd(column)
     return {k: v.to(local.device, torch.float32) for k, v in values.items()}
+
+
+EXTREMES = ("/min", "/max")
+
+
+def step_value(name: str, values: list[torch.Tensor], steps: int) -> torch.Tensor:
+    """A statistic over a generation's ``steps`` optimizer steps from its micro-batches' values: the
+    extreme for ``/min`` and ``/max`` names (NaN values, from micro-batches with nothing to describe,
+    skipped; 0 if all are), else the mean over steps of values already weighted to a mean per step."""
+    stacked = torch.stack(values)
+    if not name.endswith(EXTREMES):
+        return stacked.sum() / steps
+    stacked = stacked[~stacked.isnan()]
+    if not stacked.numel():
+        return torch.zeros((), device=stacked.device)
+    return stacked.min() if name.endswith("/min") else stacked.max()
 
 
 def log_synced(module: L.LightningModule, values: dict[str, torch.Tensor], batch_size: int) -> None:
