@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lightning_vlm.losses.rloo import rloo_loss, sequence_log_ratio
+from lightning_vlm.losses.rloo import mean_token_kl, rloo_loss, sequence_log_ratio
 
 
 def test_sequence_log_ratio_is_the_masked_sum():
@@ -64,3 +64,15 @@ def test_a_far_off_policy_sequence_is_capped_not_nan():
     # A negative advantage on such a sequence: a large but finite loss (e^20 · |A| / N), not inf
     loss, _ = rloo_loss(logps.detach(), old, torch.tensor([-1.0, 1.0]), torch.ones(2, 200))
     assert math.isfinite(loss.item()) and loss.item() == pytest.approx((math.exp(20.0) - 1.2) / 2, rel=1e-5)
+
+
+def test_the_logged_kl_is_per_token_as_trl_and_grpo_log_it():
+    # It was the per-sequence sum averaged over sequences (masked ones as 0): 1.0 here, 5x TRL's.
+    old, ref = torch.full((2, 5), -1.0), torch.full((2, 5), -1.2)
+    mask = torch.ones(2, 5)
+    assert mean_token_kl(old, ref, mask).item() == pytest.approx(0.2)
+    mask[1] = 0  # a masked (truncated) sequence adds no token
+    mask[0, 3:] = 0
+    old[0, :3] = torch.tensor([-1.0, -2.0, -0.5])
+    expected = ((-1.0 + 1.2) + (-2.0 + 1.2) + (-0.5 + 1.2)) / 3
+    assert mean_token_kl(old, ref, mask).item() == pytest.approx(expected, rel=1e-5)

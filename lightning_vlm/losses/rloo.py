@@ -53,3 +53,10 @@ def rloo_loss(
             "ratio/max": r.max(),
         }
     return loss, stats
+
+
+def mean_token_kl(old_logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The logged ``kl``: log π_old - log π_ref per active token, averaged over tokens (TRL's RLOO and our
+    GRPO log it per token; the penalty in the reward uses the per-sequence sum)."""
+    mask = mask.to(old_logps.dtype)
+    return ((old_logps - ref_logps) * mask).sum() / mask.sum().clamp(min=1)

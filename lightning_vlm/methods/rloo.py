@@ -8,7 +8,7 @@ from typing import Unpack
 import torch
 
 from lightning_vlm.losses.advantages import kl_penalized_rewards, rloo_advantages
-from lightning_vlm.losses.rloo import rloo_loss
+from lightning_vlm.losses.rloo import mean_token_kl, rloo_loss
 from lightning_vlm.methods.online import OnlineRL
 from lightning_vlm.methods.online_kwargs import OnlineKwargs
 from lightning_vlm.methods.rollout_buffer import RolloutBatch, Step
@@ -76,5 +76,5 @@ class RLOO(OnlineRL):
             logps, old, advantages, mask, hp.epsilon, hp.epsilon_high, num_sequences_in_batch=step.sequences
         )
         if batch.ref_logps is not None:
-            stats["kl"] = ((batch.old_logps[index] - batch.ref_logps[index]) * mask).sum(-1).mean()
+            stats["kl"] = mean_token_kl(batch.old_logps[index], batch.ref_logps[index], mask)
         return loss, stats
