@@ -15,6 +15,7 @@ from lightning_vlm.losses.preference import (
     hinge_loss,
     ipo_loss,
     logratio_margin,
+    online_pair_loss,
     reward_accuracy,
     robust_loss,
     sft_nll_loss,
@@ -97,6 +98,17 @@ def test_ipo_uses_token_averaged_log_probs():
     total, metrics = weighted_preference_loss(["ipo"], None, make_inputs(), beta=0.5)
     assert total.item() == pytest.approx(5.3515625)
     assert metrics["loss/ipo"].item() == pytest.approx(5.3515625)
+
+
+def test_online_dpo_ipo_uses_summed_log_probs_as_trls_online_trainer():
+    # Summed margins Δ = 1.5 and -3, β = 0.5: (1.5 - 1)² = 0.25, (-3 - 1)² = 16. It used DPOTrainer's
+    # token average (0.140625, 10.5625), whose optimum is |y| times further from the reference.
+    torch.testing.assert_close(online_pair_loss("ipo", make_inputs(), beta=0.5), t(0.25, 16.0))
+    torch.testing.assert_close(
+        online_pair_loss("sigmoid", make_inputs(), beta=0.5), sigmoid_loss(t(1.5, -3.0), beta=0.5)
+    )
+    with pytest.raises(ValueError, match="sigmoid or ipo"):
+        online_pair_loss("hinge", make_inputs(), beta=0.5)
 
 
 def test_bco_pair_matches_hand_computation():

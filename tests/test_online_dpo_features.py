@@ -50,14 +50,12 @@ def dpo_loss_by_hand(loss_type: str, pairs: list[tuple[int, int]]):
     def loss(logps, entropy, mask):
         total = (logps * mask).sum(-1)
         ratio = total - total.detach()  # log π/π_ref of each completion (π_ref: the initial policy)
-        lengths = mask.sum(-1)
         per_pair = []
         for c, r in pairs:
             if loss_type == "sigmoid":
                 per_pair.append(-F.logsigmoid(BETA * (ratio[c] - ratio[r])))
-            else:  # IPO: the length-averaged margin regressed to 1/(2β)
-                margin = ratio[c] / lengths[c] - ratio[r] / lengths[r]
-                per_pair.append((margin - 1 / (2 * BETA)) ** 2)
+            else:  # IPO: the summed margin regressed to 1/(2β), as TRL's OnlineDPOTrainer
+                per_pair.append((ratio[c] - ratio[r] - 1 / (2 * BETA)) ** 2)
         return torch.stack(per_pair).sum() / len(pairs)
 
     return loss

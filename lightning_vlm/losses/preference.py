@@ -83,7 +83,8 @@ def hinge_loss(margin: Tensor, beta: float) -> Tensor:
 
 
 def ipo_loss(normalized_margin: Tensor, beta: float) -> Tensor:
-    """IPO (Azar et al. 2023): (Δ̄ - 1/(2β))², Δ̄ the margin of token-averaged log-probs (as TRL does).
+    """IPO (Azar et al. 2023): (Δ̄ - 1/(2β))², Δ̄ the margin of token-averaged log-probs (as TRL's
+    DPOTrainer does; Online DPO passes the summed margin, see ``online_pair_loss``).
 
     The square regresses the margin to a finite target 1/(2β) instead of maximising it, which is
     IPO's fix for DPO overfitting deterministic preferences; averaging over tokens keeps that
@@ -238,6 +239,21 @@ def weighted_preference_loss(
         metrics["logps/chosen"] = inputs.policy_chosen_logps.mean()
         metrics["logps/rejected"] = inputs.policy_rejected_logps.mean()
     return total, metrics
+
+
+def online_pair_loss(loss_type: str, inputs: PreferenceInputs, beta: float) -> Tensor:
+    """Online DPO's [B] loss, as TRL's OnlineDPOTrainer: ``sigmoid``, or ``ipo`` on the margin of *summed*
+    log-probs (the IPO paper's h; TRL's offline DPOTrainer averages ipo's log-probs per token, its online
+    trainer does not). Averaged, the target 1/(2β) sits |y| times nearer the reference."""
+    if loss_type == "ipo":
+        margin = logratio_margin(
+            inputs.policy_chosen_logps, inputs.policy_rejected_logps, inputs.ref_chosen_logps,
+            inputs.ref_rejected_logps,
+        )  # fmt: skip
+        return ipo_loss(margin, beta)
+    if loss_type == "sigmoid":
+        return per_example_loss(loss_type, inputs, beta)
+    raise ValueError(f"Online DPO's loss_type is sigmoid or ipo, got {loss_type!r}")
 
 
 def per_example_loss(

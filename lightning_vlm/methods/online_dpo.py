@@ -21,7 +21,7 @@ from lightning_vlm.generation.base import Rollouts
 from lightning_vlm.losses.preference import (
     PreferenceInputs,
     logratio_margin,
-    per_example_loss,
+    online_pair_loss,
     reward_accuracy,
 )
 from lightning_vlm.methods.dynamic_sampling import select_completions
@@ -169,7 +169,7 @@ class OnlineDPO(OnlineRL):
             *chosen_rejected((batch.ref_logps[index] * mask).sum(-1)),
             *chosen_rejected(mask.sum(-1)),
         )
-        per_pair = per_example_loss(self.hparams.loss_type, inputs, self.hparams.beta)
+        per_pair = online_pair_loss(self.hparams.loss_type, inputs, self.hparams.beta)
         loss = (per_pair * valid).sum() / step.counts["pairs"]
         with torch.no_grad():
             # Pooled over the step's valid pairs of every rank, as the loss: a micro-batch (or rank) of
