@@ -83,6 +83,26 @@ def test_method_runs_and_logs_every_metric(method, tmp_path):
         assert int(module.bco_delta.count) == 3 * 2 * 4, "δ saw both rewards of every training pair"
 
 
+@pytest.mark.parametrize("running", [True, False])
+def test_bco_running_delta_false_is_trl_1s_bco_pair_with_no_shift(vlm, running):
+    from lightning_vlm.losses.preference import bco_pair_loss
+
+    module = DPO(vlm, optimizer=partial(torch.optim.AdamW, lr=1e-3), loss_type=["bco_pair"],
+                 bco_running_delta=running)  # fmt: skip
+    module.bco_delta.update(torch.tensor([3.0]))  # a δ far from 0, as after many steps
+    rows = synthetic_rows("preference", 2, seed=1)
+    with torch.no_grad():
+        loss, _, _ = module._loss(rows, train=True)
+        batch = encode_pairs(vlm, rows)
+        logps, _ = vlm.token_logps(batch.inputs, batch.completion_mask)
+        chosen, rejected = split_pairs(logps.sum(dim=1))
+        ref_chosen, ref_rejected = module._reference_logps(rows, batch)
+    delta = module.bco_delta.mean if running else 0.0  # after this step's update, as the loss sees it
+    expected = bco_pair_loss(chosen - ref_chosen, rejected - ref_rejected, 0.1, delta).mean()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    assert int(module.bco_delta.count) == (1 + 4 if running else 1)  # false: δ is not tracked at all
+
+
 def test_train_py_method_mpo_runs_offline(tmp_path):
     env = {**os.environ, "PROJECT_ROOT": str(tmp_path), "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(

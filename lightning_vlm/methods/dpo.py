@@ -52,7 +52,9 @@ def chosen_answers(rows: list[dict]) -> list[str]:
 
 class DPO(FactoryOptimized):
     """DPO with TRL's knobs: ``loss_type`` list, ``loss_weights``, ``beta``, ``label_smoothing``; and
-    ``sft_normalization`` for the ``sft`` term ("per_example", ours, or TRL's "token_mean")."""
+    ``sft_normalization`` for the ``sft`` term ("per_example", ours, or TRL's "token_mean");
+    ``bco_running_delta`` (``bco_pair``'s reward shift δ, the running mean of past implicit rewards as in
+    BCO and MPO and TRL before 0.29; false: δ = 0, TRL 1.x)."""
 
     def __init__(
         self,
@@ -64,6 +66,7 @@ class DPO(FactoryOptimized):
         loss_type: Sequence[str] = ("sigmoid",),
         loss_weights: Sequence[float] | None = None,
         sft_normalization: str = "per_example",
+        bco_running_delta: bool = True,
         precompute_ref_logps: bool = False,
         ref_cache_dir: str | None = None,
         one_vision_pass: bool = True,
@@ -192,8 +195,9 @@ class DPO(FactoryOptimized):
         chosen_len, rejected_len = split_pairs(batch.completion_mask.sum(dim=1))
         ref_chosen, ref_rejected = self._reference_logps(rows, batch)
         inputs = PreferenceInputs(chosen, rejected, ref_chosen, ref_rejected, chosen_len, rejected_len)
-        if "bco_pair" in hp.loss_type and train:
-            # δ tracks the mean implicit reward over all ranks' pairs seen so far (TRL's RunningMoments).
+        if "bco_pair" in hp.loss_type and hp.bco_running_delta and train:
+            # δ tracks the mean implicit reward over all ranks' pairs seen so far (BCO's and MPO's moving
+            # average; TRL's RunningMoments until 0.29, gone in TRL 1.x, which bco_running_delta=false matches).
             rewards = hp.beta * torch.cat([chosen - ref_chosen, rejected - ref_rejected]).detach()
             self.bco_delta.update(gather_cat(rewards))
         sft_tokens = None
@@ -203,8 +207,8 @@ class DPO(FactoryOptimized):
             pairs = torch.tensor(float(len(rows)), device=chosen.device)
             sft_tokens = mean_normalizer(chosen_len.sum()) * pairs / mean_normalizer(pairs)
         loss, metrics = weighted_preference_loss(
-            hp.loss_type, hp.loss_weights, inputs, hp.beta, hp.label_smoothing, self.bco_delta.mean,
-            hp.sft_normalization, sft_tokens,
+            hp.loss_type, hp.loss_weights, inputs, hp.beta, hp.label_smoothing,
+            self.bco_delta.mean if hp.bco_running_delta else 0.0, hp.sft_normalization, sft_tokens,
         )  # fmt: skip
         metrics["loss"] = loss.detach()
         covered = float(len(rows))
