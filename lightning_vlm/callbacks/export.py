@@ -22,6 +22,9 @@ import torch
 from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token, is_offline_mode
 from omegaconf import OmegaConf
 
+from lightning_vlm.parallel.export import save_sharded
+from lightning_vlm.parallel.fsdp import sharded_root
+
 log = logging.getLogger(__name__)
 
 DRY_RUN = "dry_run"
@@ -70,9 +73,14 @@ class ExportHFModel(L.Callback):
             check_can_push()
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        root = sharded_root(trainer.strategy.model)
+        if root is not None:
+            # Under FSDP the weights are gathered unit by unit by every rank (a collective); rank 0 writes.
+            save_sharded(pl_module.vlm, root, self.dirpath, self.merge_lora, writer=trainer.is_global_zero)
         if not trainer.is_global_zero:
             return
-        pl_module.vlm.save_pretrained(self.dirpath, merge_lora=self.merge_lora)
+        if root is None:
+            pl_module.vlm.save_pretrained(self.dirpath, merge_lora=self.merge_lora)
         if not self.push_to_hub:
             return
         self.write_card(trainer, pl_module)
