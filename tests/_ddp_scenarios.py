@@ -5,6 +5,7 @@
 ``equivalence:<name>`` trains ``ddp_helpers.EQUIVALENCE[name]`` and writes ``OUT/<name>.pt``
 (``fsdp:<name>``: the same under FSDP, ``OUT/fsdp_<name>.pt``);
 ``rows`` records each rank's rows over one epoch, and over an interrupted and resumed epoch;
+``fsdp_export`` writes ExportHFModel's folders from FSDP runs (full weights, LoRA merged);
 ``learn:<generation>:<warm start>`` runs GRPO from the warm start and writes the reward before and
 after; ``server:<warm start>`` runs a few steps against one vLLM server (parity after each push).
 A failing scenario is written to ``OUT/<name>.error`` (rank 0) and the next one still runs.
@@ -26,6 +27,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from ddp_helpers import (  # noqa: E402
     COMMON,
     EQUIVALENCE,
+    EXPORTS,
     TWO_PROCESSES,
     TWO_PROCESSES_FSDP,
     learning_overrides,
@@ -111,6 +113,17 @@ def fsdp_vllm(mode: str, out: Path) -> None:
     train(compose_train(overrides, folder))
 
 
+def fsdp_export(out: Path) -> None:
+    """SFT under FSDP with ExportHFModel, full weights and LoRA merged: every rank takes part in the
+    gather, rank 0 writes ``OUT/fsdp_export_<variant>/hf_model``."""
+    for variant, extra in EXPORTS.items():
+        folder = out / f"fsdp_export_{variant}"
+        overrides = [*COMMON, *EQUIVALENCE["sft"], *TWO_PROCESSES_FSDP, *extra,
+                     "+callbacks.export._target_=lightning_vlm.callbacks.export.ExportHFModel",
+                     f"+callbacks.export.dirpath={folder / 'hf_model'}"]  # fmt: skip
+        train(compose_train(overrides, folder))
+
+
 def collectives(out: Path) -> None:
     """The collectives with a different number of rows on each rank (rank r holds r + 1)."""
     import torch.distributed as dist
@@ -153,6 +166,8 @@ def main() -> None:
                 rows(out)
             elif name == "fsdp_rows":
                 rows(out, strategy="fsdp")
+            elif name == "fsdp_export":
+                fsdp_export(out)
             elif name == "collectives":
                 collectives(out)
             elif name.startswith("learn:"):

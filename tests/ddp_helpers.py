@@ -219,6 +219,13 @@ EQUIVALENCE: dict[str, list[str]] = {
         "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl",
         "method.precompute_ref_logps=true",
     ],  # fmt: skip
+    # the same with LoRA: the reference is the policy with its adapters off, a sharded model under FSDP
+    "dpo_precomputed_lora": [
+        "method=dpo",
+        "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl",
+        "method.precompute_ref_logps=true",
+        "lora=default",
+    ],  # fmt: skip
     # KTO reads the pairs as unpaired rows; z0 pairs each row with the previous one of the global batch
     # Validated too: the unpaired rows' labels alternate, so each rank holds one label, and the ranking
     # accuracy exists only over both ranks' rows.
@@ -306,7 +313,18 @@ ONE_PROCESS = ["data.batch_size=4"]
 TWO_PROCESSES = ["data.batch_size=2", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
 # FSDP on CPU (gloo): the same strategy class as on GPUs, each decoder layer and vision block a unit.
 TWO_PROCESSES_FSDP = ["data.batch_size=2", "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2"]
-FSDP_EQUIVALENCE = ("sft", "sft_mixed", "dpo", "grpo_dapo", "grpo_skipped_row", "rloo", "online_dpo")
+# ExportHFModel under FSDP (scenario fsdp_export): SFT as in EQUIVALENCE["sft"], full weights or LoRA merged
+EXPORTS = {"full": [], "lora": ["lora=default"]}
+FSDP_EQUIVALENCE = (
+    "sft",
+    "sft_mixed",
+    "dpo",
+    "dpo_precomputed_lora",
+    "grpo_dapo",
+    "grpo_skipped_row",
+    "rloo",
+    "online_dpo",
+)
 
 
 class ParityProbe(L.Callback):

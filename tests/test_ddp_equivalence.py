@@ -23,6 +23,7 @@ import torch
 from ddp_helpers import (
     COMMON,
     EQUIVALENCE,
+    EXPORTS,
     FSDP_EQUIVALENCE,
     ONE_PROCESS,
     torchrun,
@@ -60,6 +61,7 @@ def two_processes(tiny_path, data_dir, tmp_path_factory):
         *[f"fsdp:{n}" for n in FSDP_EQUIVALENCE],
         "rows",
         "fsdp_rows",
+        "fsdp_export",
     ]
     proc = torchrun(SCRIPT, [str(out), *scenarios], timeout=900)
     errors = {p.name: p.read_text() for p in out.glob("*.error")}
@@ -111,7 +113,13 @@ def test_two_processes_update_like_one(strategy, name, two_processes, tiny_path,
     from lightning_vlm.models.vlm import VLM
 
     start = dict(VLM(tiny_path(), freeze_vision_tower=False).named_parameters())
-    moved = max((one[k] - start[k].detach()).abs().max().item() for k in one)
+    # LoRA runs: the adapters' B factors start at 0, the frozen base weights do not move
+    moved = max(
+        (one[k] - start[k].detach()).abs().max().item()
+        if k in start
+        else one[k].abs().max().item() * (".lora_B." in k)
+        for k in one
+    )
     assert moved > 1e-2, f"{name}: the weights hardly moved ({moved:.2e}); the comparison would be vacuous"
     for key, value in one.items():
         torch.testing.assert_close(two[key], value, atol=ATOL.get(name, 1e-5), rtol=0, msg=f"{name}: {key}")
@@ -189,3 +197,22 @@ def test_collectives_take_a_different_number_of_rows_on_each_rank(two_processes)
         assert result["pooled"] == 7.0  # the mean of all 3 rows (0, 10, 11), not of the means 0 and 10.5
         assert result["pooled_one_empty"] == 5.0  # rank 0's one row (5); rank 1's empty mean is NaN
         assert result["objects"] == [{"rank": 0}, {"rank": 1}]
+
+
+@pytest.mark.parametrize("variant", ["full", "lora"])
+def test_an_fsdp_run_exports_the_folder_one_process_exports(variant, two_processes, tiny_path, tmp_path):
+    # Rank 0 alone called save_pretrained, whose state_dict() is a collective under FSDP: the run hung at
+    # its end with a folder of configs and no weights. Every rank now gathers (parallel/export.py).
+    from safetensors.torch import load_file
+
+    overrides = [*COMMON, *EQUIVALENCE["sft"], *ONE_PROCESS, *EXPORTS[variant],
+                 "+callbacks.export._target_=lightning_vlm.callbacks.export.ExportHFModel",
+                 f"+callbacks.export.dirpath={tmp_path / 'hf_model'}"]  # fmt: skip
+    train(compose_train(overrides, tmp_path))
+    one = load_file(tmp_path / "hf_model" / "model.safetensors")
+    two = load_file(two_processes / f"fsdp_export_{variant}" / "hf_model" / "model.safetensors")
+    start = load_file(f"{tiny_path()}/model.safetensors")
+    assert one.keys() == two.keys() == start.keys()
+    assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-2, "trained weights, not the initial"
+    for key, value in one.items():
+        torch.testing.assert_close(two[key], value, atol=1e-5, rtol=0, msg=key)

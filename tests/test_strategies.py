@@ -77,3 +77,20 @@ def test_deepspeed_settings(trainer, stage, tmp_path):
     assert zero["stage"] == stage and zero["overlap_comm"] and zero["contiguous_gradients"]
     assert "offload_optimizer" not in zero and "offload_param" not in zero
     assert cfg.trainer.accelerator == "gpu"
+
+
+@pytest.mark.parametrize("trainer", ["deepspeed_zero2", "deepspeed_zero3"])
+def test_an_online_method_clips_in_the_deepspeed_engine(trainer, tmp_path):
+    # Lightning refuses trainer.gradient_clip_val for a module that steps its own optimizer, and
+    # DeepSpeed's precision plugin does not clip: max_grad_norm must reach the engine's config (the old
+    # check sent users to gradient_clip_val, which Lightning then refused).
+    from types import SimpleNamespace
+
+    from lightning_vlm.methods.online import OnlineRL
+
+    cfg = compose_train([f"trainer={trainer}", "method=grpo"], tmp_path)
+    strategy = hydra.utils.instantiate(cfg.trainer.strategy)
+    assert "gradient_clipping" not in strategy.config and cfg.trainer.gradient_clip_val is None
+    module = SimpleNamespace(trainer=SimpleNamespace(strategy=strategy), hparams=cfg.method)
+    OnlineRL.setup(module, "fit")  # the hook runs before the strategy builds its engine
+    assert strategy.config["gradient_clipping"] == cfg.method.max_grad_norm == 1.0

@@ -37,11 +37,14 @@ from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
 from lightning_vlm.parallel.collectives import (
     all_gather_object,
+    all_reduce_sum,
     gather_cat,
     mean_normalizer,
     pooled_means,
     world_size,
 )
+from lightning_vlm.parallel.fsdp import sharded_root
+from lightning_vlm.parallel.steps import RootCalls, root_forward
 from lightning_vlm.settings_check import check_positive
 
 
@@ -50,7 +53,7 @@ def chosen_answers(rows: list[dict]) -> list[str]:
     return [message_text(row["chosen"][-1]) for row in rows]
 
 
-class DPO(FactoryOptimized):
+class DPO(RootCalls, FactoryOptimized):
     """DPO with TRL's knobs: ``loss_type`` list, ``loss_weights``, ``beta``, ``label_smoothing``; and
     ``sft_normalization`` for the ``sft`` term ("per_example", ours, or TRL's "token_mean");
     ``bco_running_delta`` (``bco_pair``'s reward shift δ, the running mean of past implicit rewards as in
@@ -137,11 +140,16 @@ class DPO(FactoryOptimized):
         if not self.hparams.precompute_ref_logps:
             return self._compute_ref(batch)
         cache = self._cache()
-        missing = cache.missing(rows)
+        missing = bool(cache.missing(rows))
+        if self._trainer is not None and sharded_root(self.trainer.strategy.model) is not None:
+            # A sharded model's forward is a collective (LoRA's reference is the policy): every rank
+            # runs it, or none does, whichever rows each one still lacks.
+            missing = bool(all_reduce_sum(torch.tensor(float(missing), device=self.device)) > 0)
         if missing:  # lazily, e.g. validate_before_fit runs before on_fit_start's precompute
             if self.ref is None:
                 cache.get(rows)  # raises, naming the row
-            cache.put(rows, *self._compute_ref(batch))
+            else:
+                cache.put(rows, *self._compute_ref(batch))
         chosen, rejected = cache.get(rows)
         return chosen.to(self.device, torch.float32), rejected.to(self.device, torch.float32)
 
@@ -169,8 +177,8 @@ class DPO(FactoryOptimized):
         with self.trainer.precision_plugin.forward_context():
             for loader in loaders:
                 for rows in loader:
-                    if cache.missing(rows):
-                        self._reference_logps(rows, self._encode(rows))
+                    # Under FSDP as a forward of the root module: a hook is outside the one a step gets.
+                    root_forward(self, self._reference_logps, rows, self._encode(rows))
         cache.save()
         # Every rank takes the others' values (no shared filesystem or common run folder needed).
         for values in all_gather_object(cache.values):

@@ -57,13 +57,19 @@ from lightning_vlm.methods.step_layout import rank_chunks
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
 from lightning_vlm.parallel.collectives import Shard
-from lightning_vlm.parallel.steps import check_clipping, check_micro_batches, no_backward_sync, root_forward
+from lightning_vlm.parallel.steps import (
+    RootCalls,
+    check_micro_batches,
+    engine_clipping,
+    no_backward_sync,
+    root_forward,
+)
 from lightning_vlm.rewards.scoring import RewardScorer
 
 log = logging.getLogger(__name__)
 
 
-class OnlineRL(RolloutSampling):
+class OnlineRL(RootCalls, RolloutSampling):
     """Base of GRPO, RLOO and Online DPO: subclasses give ``compute_advantages`` and ``loss``."""
 
     def __init__(
@@ -223,11 +229,6 @@ class OnlineRL(RolloutSampling):
         # Each rank's loss is its share of the step's loss: the mean over ranks is the step's loss.
         log_synced(self, {f"train/{k}": step_value(k, v, steps) for k, v in metrics.items()}, len(rows))
 
-    def _run_root_call(self) -> Any:
-        # The method parallel.steps.root_forward routes through the root FSDP module's forward.
-        fn, args = self._root_call
-        return fn(*args)
-
     def _micro_batch_loss(
         self, batch: RolloutBatch, index: torch.Tensor, step: Step
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -321,8 +322,11 @@ class OnlineRL(RolloutSampling):
             self.log(f"val/rewards/{name}", self.val_rewards[name], batch_size=len(rows))
 
     # ---- setup, checkpointing, optimizers --------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        """Before the strategy builds its engine: DeepSpeed clips there (``max_grad_norm``)."""
+        engine_clipping(self, self.hparams.max_grad_norm)
+
     def on_fit_start(self) -> None:
-        check_clipping(self, self.hparams.max_grad_norm)
         # Frozen helpers are not submodules (not trained, not checkpointed): move them by hand.
         if self.ref is not None:
             self.ref.to(self.device)

@@ -30,6 +30,17 @@ def no_backward_sync(module: L.LightningModule) -> contextlib.AbstractContextMan
     return contextlib.nullcontext()
 
 
+class RootCalls:
+    """The method :func:`root_forward` routes through the root FSDP module's forward (a mixin of the
+    modules that use it)."""
+
+    _root_call: tuple[Callable[..., Any], tuple] | None = None
+
+    def _run_root_call(self) -> Any:
+        fn, args = self._root_call
+        return fn(*args)
+
+
 def root_forward(module: L.LightningModule, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``, run as a forward of the root FSDP module when the model is sharded by FSDP.
 
@@ -62,14 +73,14 @@ def check_micro_batches(module: L.LightningModule, steps: list[list[torch.Tensor
         )
 
 
-def check_clipping(module: L.LightningModule, max_grad_norm: float | None) -> None:
-    """Refuse a method-side clip under DeepSpeed, which clips in its engine (trainer.gradient_clip_val)."""
-    if (
-        isinstance(module.trainer.strategy, DeepSpeedStrategy)
-        and max_grad_norm
-        and not module.trainer.gradient_clip_val
-    ):
-        raise ValueError(
-            f"with DeepSpeed set trainer.gradient_clip_val={max_grad_norm} and method.max_grad_norm=null: "
-            "DeepSpeed clips in its engine, not through the method"
-        )
+def engine_clipping(module: L.LightningModule, max_grad_norm: float | None) -> None:
+    """Under DeepSpeed, ``max_grad_norm`` as its engine's ``gradient_clipping`` (0: none).
+
+    DeepSpeed clips inside its own step (Lightning's ``clip_gradients`` is a no-op there), and Lightning
+    refuses ``trainer.gradient_clip_val`` for a module that steps its own optimizer, so an online
+    method's clip reaches the engine only through its config. Call it before the engine is built
+    (``setup``): the strategy fills ``gradient_clipping`` only where the config does not set it.
+    """
+    strategy = module.trainer.strategy
+    if isinstance(strategy, DeepSpeedStrategy):
+        strategy.config["gradient_clipping"] = float(max_grad_norm or 0.0)
