@@ -73,6 +73,16 @@ def test_ranks_get_disjoint_shards_that_make_up_the_one_process_order():
     assert sorted(set(shards[0]) | set(shards[1])) == list(range(11))
 
 
+def test_every_rank_gets_as_many_rows_when_there_are_fewer_rows_than_ranks():
+    from lightning_vlm.data.resumable import EpochSeededSampler
+
+    shards = [list(EpochSeededSampler(1, num_replicas=3, rank=r)) for r in range(3)]
+    assert shards == [[0], [0], [0]]  # rank 2 got nothing: the others waited for it in a collective
+    shards = [list(EpochSeededSampler(2, num_replicas=5, rank=r, shuffle=False)) for r in range(5)]
+    assert shards == [[0], [1], [0], [1], [0]]
+    assert all(len(EpochSeededSampler(2, num_replicas=5, rank=r)) == 1 for r in range(5))
+
+
 def test_a_checkpoint_on_the_last_batch_of_an_epoch_does_not_shorten_the_next():
     loader = ResumableDataLoader(list(range(8)), batch_size=4, seed=0, collate_fn=list)
     loader.sampler.set_epoch(0)

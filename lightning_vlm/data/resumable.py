@@ -83,7 +83,9 @@ class EpochSeededSampler(DistributedSampler):
         rest = order[start:]
         pad = -len(rest) % self.num_replicas
         if pad and len(rest):
-            rest = torch.cat([rest, order[:pad]])
+            # Wrapped around, repeated when the order is shorter than the padding (1 row, 3 ranks): a rank
+            # with no batch would leave the others waiting in a collective.
+            rest = torch.cat([rest, order.repeat(math.ceil(pad / len(order)))[:pad]])
         return iter(rest[self.rank :: self.num_replicas].tolist())
 
 
