@@ -94,3 +94,20 @@ def test_an_online_method_clips_in_the_deepspeed_engine(trainer, tmp_path):
     module = SimpleNamespace(trainer=SimpleNamespace(strategy=strategy), hparams=cfg.method)
     OnlineRL.setup(module, "fit")  # the hook runs before the strategy builds its engine
     assert strategy.config["gradient_clipping"] == cfg.method.max_grad_norm == 1.0
+
+
+@pytest.mark.parametrize("trainer", ["deepspeed_zero2", "deepspeed_zero3", "fsdp"])
+def test_the_export_refuses_zero3_s_partitioned_weights_before_training(trainer, tmp_path):
+    from types import SimpleNamespace
+
+    from lightning_vlm.callbacks.export import ExportHFModel
+
+    cfg = compose_train([f"trainer={trainer}", "callbacks=[none,export]"], tmp_path)
+    export = hydra.utils.instantiate(cfg.callbacks.export)
+    fake = SimpleNamespace(strategy=hydra.utils.instantiate(cfg.trainer.strategy))
+    if trainer == "deepspeed_zero3":
+        with pytest.raises(ValueError, match="ZeRO-3 would save partitioned"):
+            export.setup(fake, None, "fit")
+    else:  # ZeRO-2 keeps whole weights on every rank; FSDP's export gathers them
+        export.setup(fake, None, "fit")
+    assert isinstance(export, ExportHFModel)

@@ -69,6 +69,8 @@ class ExportHFModel(L.Callback):
         return self.dirpath.with_name(self.dirpath.name + ".hub_manifest.json")
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            check_not_partitioned(trainer.strategy)
         if stage == "fit" and self.push_to_hub is True:
             check_can_push()
 
@@ -131,6 +133,20 @@ class ExportHFModel(L.Callback):
         log.warning("No Hydra config at %s: the model card shows the method's hparams only", self.config_path)
         hparams = OmegaConf.create(dict(pl_module.hparams))
         return OmegaConf.to_yaml(hparams), f"The method's hyperparameters (`{type(pl_module).__name__}`)"
+
+
+def check_not_partitioned(strategy: Any) -> None:
+    """Refuse DeepSpeed ZeRO-3 before training: its weights are partitioned across ranks, and the export
+    would write rank 0's empty placeholders (gathering them is not implemented: FSDP's is)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    config = strategy.config if isinstance(strategy, DeepSpeedStrategy) else None
+    if config and config.get("zero_optimization", {}).get("stage") == 3:
+        raise ValueError(
+            "callbacks.export (ExportHFModel) under DeepSpeed ZeRO-3 would save partitioned (empty) weights: "
+            "train with trainer=fsdp (the export gathers the shards) or trainer=deepspeed_zero2, or convert "
+            "last.ckpt with lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict"
+        )
 
 
 def check_can_push() -> None:
