@@ -68,6 +68,28 @@ def test_token_logps_equal_full_log_softmax(vlms, family):
     vlm.model.zero_grad(set_to_none=True)
 
 
+@pytest.mark.parametrize("family", ["gemma4", "gemma3"])
+def test_token_logps_apply_the_final_logit_softcap_the_model_forward_applies(tiny_path, family):
+    # Gemma 4's logits are soft-capped (cap · tanh(logits / cap)) after the LM head; the log-probs taken
+    # from the hidden states skipped it, unlike generate and vLLM. Gemma 3's image-text class does not
+    # cap (only its text-only one does), whatever its config says: the log-probs follow each forward.
+    torch.manual_seed(0)
+    vlm = VLM(tiny_path(family))
+    vlm.config.get_text_config().final_logit_softcapping = 1.0
+    inputs = vlm.encode_sft(sft_rows())
+    mask = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        logps, _ = vlm.token_logps(inputs, mask, 0.7, chunk_size=16)
+        ref_logps, _ = naive(vlm, inputs, mask, 0.7)
+        logits = vlm.lm_head(vlm.hidden_states(inputs))
+        uncapped, _ = naive_token_logps(logits, inputs["input_ids"], mask, 0.7)
+    capped = bool((uncapped - ref_logps).abs().max() > 1e-3)
+    assert capped == (family == "gemma4"), (
+        "the cap must change Gemma 4's values for the test to mean anything"
+    )
+    torch.testing.assert_close(logps, ref_logps, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sft_labels_cover_assistant_turn_and_end_of_turn(vlms, family):
     vlm = vlms(family)

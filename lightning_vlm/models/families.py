@@ -68,6 +68,9 @@ class Family:
     input_modalities: tuple[str, ...] | None = None
     # vLLM on CPU has no float32 kernel for some layers (Qwen3.5's Gated DeltaNet): the dtype it needs.
     vllm_cpu_dtype: str = "float32"
+    # The model's forward soft-caps its logits by the text config's final_logit_softcapping (Gemma 4's
+    # does; Gemma 3's image-text class does not, though its config has the key): log-probs must too.
+    final_logit_softcap: bool = False
 
 
 def _qwen(model_type: str, decoder: str, vision: str, **extra) -> Family:
@@ -128,6 +131,7 @@ _RECORDS = (
         suppress_token_attrs=("audio_token", "boa_token", "eoa_token"),
         suppress_config_keys=("audio_token_id", "boa_token_id", "eoa_token_index", "eoa_token_id"),
         layer_classes=("Gemma4TextDecoderLayer", "Gemma4VisionEncoderLayer"),
+        final_logit_softcap=True,
     ),
     Family(
         model_type="llava",

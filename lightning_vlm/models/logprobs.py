@@ -46,6 +46,18 @@ def _chunk_logps(
     return logps, entropy, argmax
 
 
+def softcapped(head: Callable[[torch.Tensor], torch.Tensor], cap: float | None) -> Callable:
+    """``head`` followed by Gemma's final logit soft-capping, ``cap · tanh(logits / cap)``; ``head`` as
+    it is for ``cap=None``."""
+    if cap is None:
+        return head
+
+    def capped(hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(head(hidden) / cap) * cap
+
+    return capped
+
+
 def selective_logps(
     hidden: torch.Tensor,
     targets: torch.Tensor,

@@ -14,7 +14,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from . import encoding, vision_every_rank
 from .families import family_of
 from .image_tokens import NUM_IMAGES_KEY, check_image_tokens
-from .logprobs import scatter_to_tokens, scored_positions, selective_logps
+from .logprobs import scatter_to_tokens, scored_positions, selective_logps, softcapped
 from .model_source import check_model_source
 from .special_tokens import end_of_turn_token, vision_special_ids
 from .vision_cache import IMAGE_GROUPS_KEY, shared_hidden_states
@@ -243,6 +243,13 @@ class VLM(torch.nn.Module):
                                 mask_suppressed, chunk_size)  # fmt: skip
         return out if return_argmax else out[:2]
 
+    @property
+    def logit_softcap(self) -> float | None:
+        """The cap the model's forward puts on its logits (``Family.final_logit_softcap``), else None."""
+        if not self.family.final_logit_softcap:
+            return None
+        return getattr(self.config.get_text_config(), "final_logit_softcapping", None)
+
     def _token_logps(
         self, model, inputs, target_mask, temperature, return_entropy, mask_suppressed, chunk_size
     ):
@@ -252,7 +259,7 @@ class VLM(torch.nn.Module):
         logps, entropy, argmax = selective_logps(
             hidden[batch_idx, token_idx - 1],
             targets,
-            model.get_output_embeddings(),
+            softcapped(model.get_output_embeddings(), self.logit_softcap),
             temperature=temperature,
             return_entropy=return_entropy,
             suppressed_ids=self.suppressed_token_ids if mask_suppressed else None,
