@@ -239,3 +239,19 @@ def test_frozen_copy_reference_keeps_initial_weights(tiny_path):
     with torch.no_grad():
         moved, _ = vlm.token_logps(inputs, mask)
     assert (moved - before).abs().max() > 1e-3
+
+
+def test_the_processor_comes_from_the_model_kwargs_cache_too(tiny_path, tmp_path, monkeypatch):
+    # A hub id in a cache of its own (model.model_kwargs.cache_dir), offline: the weights were read from
+    # there, the processor (tokenizer, chat template, image settings) from the default cache, where it
+    # is not, so the model failed to load after the source check had passed.
+    import shutil
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--tiny--qwen" / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_path(), snapshot)
+    (cache / "models--tiny--qwen" / "refs").mkdir()
+    (cache / "models--tiny--qwen" / "refs" / "main").write_text("0" * 40)
+    vlm = VLM("tiny/qwen", model_kwargs={"cache_dir": str(cache)})
+    assert vlm.tokenizer("red")["input_ids"]

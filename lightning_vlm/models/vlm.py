@@ -51,8 +51,9 @@ class VLM(torch.nn.Module):
         # A missing folder or an uncached hub id offline: say so, naming the setting.
         where = {k: v for k, v in (model_kwargs or {}).items() if k in ("cache_dir", "revision")}
         check_model_source(model_name_or_path, **where)
+        # The processor (tokenizer, chat template, image settings) from the same revision and cache.
         self.processor = AutoProcessor.from_pretrained(
-            model_name_or_path, trust_remote_code=trust_remote_code, **(processor_kwargs or {})
+            model_name_or_path, trust_remote_code=trust_remote_code, **where, **(processor_kwargs or {})
         )
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         model = AutoModelForImageTextToText.from_pretrained(
