@@ -18,7 +18,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_vlm.ckpt_path import checkpoint_to_load, restore_errors
+from lightning_vlm.loggers import finish_runs
 from lightning_vlm.methods.dpo import DPO
+from lightning_vlm.methods.kto import KTO
 from lightning_vlm.parallel.teardown import shut_down_at_exit
 from lightning_vlm.training import build, drop_refused, instantiate_group
 
@@ -54,14 +56,14 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     callbacks = [*drop_refused(instantiate_group(cfg.get("callbacks")), cfg.trainer, bool(loggers)), counter]
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     ckpt_path = checkpoint_to_load(cfg.get("ckpt_path"), trainer)
-    if isinstance(module, DPO) and ckpt_path is None:
-        # DPO's reference is a copy of the model it was built from: scoring an HF folder against
-        # itself gives every pair margin 0 (preference accuracy 0.5 by construction).
+    if isinstance(module, DPO | KTO) and ckpt_path is None:
+        # DPO's and KTO's reference is a copy of the model they were built from: scoring an HF folder
+        # against itself gives every implicit reward 0 (preference accuracy 0.5 by construction).
         log.warning(
-            "Evaluating DPO without ckpt_path: the reference is %s itself, so val/rewards/* compare it "
+            "Evaluating %s without ckpt_path: the reference is %s itself, so val/rewards/* compare it "
             "with itself. Evaluate the Lightning checkpoint (reference = the model training began from).",
-            cfg.model.model_name_or_path,
-        )
+            type(module).__name__, cfg.model.model_name_or_path,
+        )  # fmt: skip
 
     with restore_errors(ckpt_path, module):
         results = trainer.validate(
@@ -88,4 +90,5 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         path.write_text(json.dumps(report, indent=2, default=str) + "\n")
         log.info("Metrics of %s on %d rows: %s", ckpt_path or cfg.model.model_name_or_path, rows,
                  report["metrics"])  # fmt: skip
+    finish_runs(loggers)  # a sweep's next job (same process) would otherwise log into this job's W&B run
     return report, path

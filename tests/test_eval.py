@@ -116,6 +116,15 @@ def test_eval_of_a_dpo_checkpoint_reports_preference_accuracy(sft_run, tmp_path)
     assert report["task_name"] == "dpo" and report["num_rows"] == 8
 
 
+@pytest.mark.parametrize("method", ["dpo", "kto"])
+def test_eval_of_an_hf_folder_warns_that_the_reference_is_the_model_itself(method, sft_run, tmp_path, caplog):
+    # Every implicit reward is then 0 (accuracy 0.5 by construction); KTO said nothing.
+    with caplog.at_level("WARNING"):
+        report = _evaluate([f"model.model_name_or_path={sft_run[0] / 'hf'}", f"method={method}"], tmp_path)
+    assert f"Evaluating {method.upper()} without ckpt_path: the reference is" in caplog.text
+    assert report["metrics"]["val/rewards/margins" if method == "dpo" else "val/rewards/chosen"] == 0.0
+
+
 def test_eval_of_an_online_method_reports_each_reward_function(sft_run, tmp_path):
     overrides = [f"model.model_name_or_path={sft_run[0] / 'hf'}", "method=grpo",
                  "method.reward_funcs=[accuracy_reward,think_format_reward]", "method.val_num_generations=2"]  # fmt: skip
@@ -147,3 +156,14 @@ def test_checkpoints_load_weights_only_locally(sft_run, tmp_path):
     (tmp_path / "sharded.ckpt").mkdir()
     with pytest.raises(ValueError, match=r"sharded \(FSDP\).*trainer=fsdp"):
         checkpoint_to_load(str(tmp_path / "sharded.ckpt"), trainer)
+
+
+def test_each_eval_job_of_a_sweep_gets_its_own_wandb_run(sft_run, tmp_path, monkeypatch):
+    # eval.py -m runs its jobs in one process; the second job logged into the first one's run.
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    for seed in (0, 1):
+        _evaluate([f"ckpt_path={sft_run[0] / 'ckpt' / 'step2.ckpt'}", "logger=wandb", f"seed={seed}"],
+                  tmp_path / str(seed))  # fmt: skip
+    runs = [list((tmp_path / str(seed) / "wandb").glob("offline-run-*")) for seed in (0, 1)]
+    assert all(len(r) == 1 for r in runs) and runs[0][0].name != runs[1][0].name
