@@ -44,3 +44,29 @@ def test_the_build_is_the_same_whoever_starts_it(tmp_path, monkeypatch):
     two = tiny_sft_path("qwen2_5_vl", tmp_path / "two")
     a, b = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+@pytest.mark.parametrize("start", ["sft", "sft_mixed"])
+def test_every_config_file_a_build_composes_is_in_the_cache_key(start, tmp_path):
+    # conf/method/_optimizer.yaml (the optimizer, weight decay), which sft.yaml includes, was not hashed:
+    # a warm start built under another optimizer was reused.
+    from pathlib import Path
+
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+    from hydra.types import RunMode
+
+    from lightning_vlm.models import warm_start
+
+    overrides = warm_start.build_overrides(
+        "qwen2_5_vl", Path("/base"), tmp_path, warm_start.WARM_STARTS[start]
+    )
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(warm_start.ROOT / "conf")))
+    composed = loader.compute_defaults_list(config_name="train", overrides=overrides, run_mode=RunMode.RUN)
+    files = {
+        f"conf/{d.config_path}.yaml" for d in composed.defaults if d.config_path and d.primary is not None
+    }
+    files = {f for f in files if (warm_start.ROOT / f).is_file()}  # Hydra's own configs are not ours
+    assert "conf/method/_optimizer.yaml" in files
+    unhashed = {f for f in files if not any(f == s or f.startswith(f"{s}/") for s in warm_start._SOURCES)}
+    assert not unhashed

@@ -78,12 +78,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Torch threads of every warm-start build (see _build); 2 is what every measured figure was built with.
 BUILD_THREADS = 2
 # What the weights of an SFT run of the tiny model depend on besides the recipe: the model, data,
-# SFT and training code and the configs the job composes (not generation, rewards, other methods).
+# SFT and training code and every config file the job composes (tests/test_warm_start.py checks that).
 _SOURCES = ("lightning_vlm/models", "lightning_vlm/data", "lightning_vlm/losses/sft.py",
             "lightning_vlm/methods/sft.py", "lightning_vlm/methods/common.py", "lightning_vlm/parallel",
             "lightning_vlm/training.py", "lightning_vlm/config.py", "lightning_vlm/callbacks/export.py",
-            "conf/train.yaml", "conf/method/sft.yaml", "conf/data", "conf/scale", "conf/model",
-            "conf/trainer/default.yaml", "train.py")  # fmt: skip
+            "conf/train.yaml", "conf/method/sft.yaml", "conf/method/_optimizer.yaml", "conf/data", "conf/scale",
+            "conf/model", "conf/trainer/default.yaml", "conf/local", "conf/callbacks/none.yaml",
+            "conf/generation/hf.yaml", "conf/logger/none.yaml", "conf/paths", "conf/hydra", "train.py")  # fmt: skip
 # Launcher variables that would make the warm-start subprocess join the caller's process group.
 _LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS")  # fmt: skip
@@ -141,17 +142,22 @@ def tiny_sft_path(
     return target
 
 
+def build_overrides(family: str, base: pathlib.Path, tmp: pathlib.Path, recipe: WarmStart) -> list[str]:
+    """The train.py overrides of a warm-start build (every config file they compose is in ``_SOURCES``)."""
+    return [
+        "method=sft", f"model=tiny_{family}", f"model.model_name_or_path={base}", "tiny_start=random",
+        "logger=none", "callbacks=none", "trainer.enable_progress_bar=false", f"trainer.max_steps={recipe.steps}",
+        "trainer.limit_val_batches=0", "trainer.accelerator=cpu", "trainer=default", "seed=0",
+        f"method.optimizer.lr={recipe.lr}", "data=sft", "data.train=synthetic", *recipe.overrides,
+        "+callbacks.export._target_=lightning_vlm.callbacks.export.ExportHFModel",
+        f"+callbacks.export.dirpath={tmp / 'model'}", f"hydra.run.dir={tmp / 'run'}", "hydra.job.chdir=false",
+    ]  # fmt: skip
+
+
 def _build(family: str, base: pathlib.Path, target: pathlib.Path, recipe: WarmStart) -> None:
     script = _check_checkout()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}-building-", dir=target.parent))
-    command = [
-        sys.executable, str(script), "method=sft", f"model=tiny_{family}", f"model.model_name_or_path={base}",
-        "tiny_start=random", "logger=none", "callbacks=none", "trainer.enable_progress_bar=false",
-        f"trainer.max_steps={recipe.steps}", "trainer.limit_val_batches=0", "trainer.accelerator=cpu",
-        "trainer=default", "seed=0", f"method.optimizer.lr={recipe.lr}",
-        "data=sft", "data.train=synthetic", *recipe.overrides, "+callbacks.export._target_=lightning_vlm.callbacks.export.ExportHFModel",
-        f"+callbacks.export.dirpath={tmp / 'model'}", f"hydra.run.dir={tmp / 'run'}", "hydra.job.chdir=false",
-    ]  # fmt: skip
+    command = [sys.executable, str(script), *build_overrides(family, base, tmp, recipe)]
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV and not k.startswith("TORCHELASTIC_")}
     env.setdefault("HF_HUB_OFFLINE", "1")
     # A fixed thread count: the cached weights must not depend on who builds them first. Reductions split
