@@ -246,3 +246,20 @@ def test_engines_take_the_policys_processor_settings_unless_given_their_own():
     assert own.for_policy(limits).mm_processor_kwargs == {"max_pixels": 3136}  # a set value is kept
     assert EngineOptions().for_policy({}) == EngineOptions()
     assert "--mm-processor-kwargs" not in EngineOptions().server_args()
+
+
+def test_engine_dicts_are_set_from_the_command_line(tmp_path):
+    # Both were None-valued typed nodes, into which OmegaConf cannot merge a command-line dict
+    # ('NoneType' object has no attribute 'get'): only a YAML file could set them.
+    from helpers import compose_train
+    from lightning_vlm.generation.engine_options import EngineOptions
+
+    cfg = compose_train(["method=grpo", "generation=vllm_colocate",
+                         "callbacks.vllm_generation.engine.mm_processor_kwargs={max_pixels:3136}",
+                         "callbacks.vllm_generation.engine.limit_mm_per_prompt={image:6}"], tmp_path)  # fmt: skip
+    engine = EngineOptions.build(cfg.callbacks.vllm_generation.engine)
+    assert engine.mm_processor_kwargs == {"max_pixels": 3136} and engine.limit_mm_per_prompt == {"image": 6}
+    unset = EngineOptions.build(
+        compose_train(["generation=vllm_colocate"], tmp_path).callbacks.vllm_generation.engine
+    )
+    assert unset.for_policy({"max_pixels": 401408}).mm_processor_kwargs == {"max_pixels": 401408}

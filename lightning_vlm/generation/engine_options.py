@@ -34,10 +34,13 @@ class EngineOptions:
     enable_sleep_mode: bool = False
     dtype: str = "auto"
     model_impl: str = "vllm"
-    limit_mm_per_prompt: dict[str, int] | None = None
+    # Mappings or None, annotated Any: OmegaConf cannot merge a command-line dict into a typed dict node
+    # that is None (or, in Hydra's struct mode, into an empty one), so `...engine.limit_mm_per_prompt=
+    # {image:6}` failed; an Any node takes it.
+    limit_mm_per_prompt: Any = None
     logprobs_mode: str = "processed_logprobs"
     seed: int = 0
-    mm_processor_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
