@@ -123,7 +123,7 @@ def colocate(paths: dict) -> dict:
     report: dict = {}
     for family, lora in (("qwen2_5_vl", None), ("gemma3", {"r": 8, "lora_alpha": 16})):
         start = time.perf_counter()
-        vlm = VLM(paths[family], lora=lora, freeze_vision_tower=False)
+        vlm = VLM(paths[family], lora=lora, freeze_vision_tower=True)
         gen = VLLMColocateGenerator(vlm)
         r: dict = {"engine_seconds": time.perf_counter() - start, "before": _compare(vlm, gen)}
         if family == "qwen2_5_vl":
@@ -135,7 +135,7 @@ def colocate(paths: dict) -> dict:
         r["after"] = _compare(vlm, gen)
         if family == "qwen2_5_vl":
             # LoRA on the same engine: adapters get a real step, then the merged weights are pushed.
-            lora_vlm = VLM(paths[family], lora={"r": 8, "lora_alpha": 16}, freeze_vision_tower=False)
+            lora_vlm = VLM(paths[family], lora={"r": 8, "lora_alpha": 16}, freeze_vision_tower=True)
             gen.vlm = lora_vlm
             gen.sync_weights()
             r["lora_before"] = _compare(lora_vlm, gen)
@@ -186,7 +186,7 @@ def adapter_sync(paths: dict) -> dict:
     from lightning_vlm.models.vlm import VLM
 
     lora = {"r": 8, "lora_alpha": 16, "init_lora_weights": False}  # random adapters: policy != base
-    vlm = VLM(paths["qwen2_5_vl"], lora=lora, freeze_vision_tower=False)
+    vlm = VLM(paths["qwen2_5_vl"], lora=lora, freeze_vision_tower=True)
     gen = VLLMColocateGenerator(vlm, weight_sync="adapter")
     report = {"sync_seconds": [gen.sync_weights()], "before": _compare(vlm, gen)}
     _train_step(vlm, lr=0.02)

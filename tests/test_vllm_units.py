@@ -88,7 +88,7 @@ def test_lora_weights_are_merged_beside_the_model_under_checkpoint_names(tiny_pa
         return dict(hf_to_vllm_names(family, revert_weight_conversion(model, model.state_dict()).items()))
 
     vlm = VLM(tiny_path(family), lora={"r": 4, "lora_alpha": 8, "init_lora_weights": False},
-              freeze_vision_tower=False)  # fmt: skip
+              freeze_vision_tower=True)  # fmt: skip
     before = {k: v.clone() for k, v in vlm.model.state_dict().items()}
     exported = dict(policy_weights(vlm))
     # The names of the saved checkpoint (what every vLLM model implementation loads).
@@ -205,7 +205,7 @@ def test_adapter_sync_needs_lora_with_everything_else_frozen(tiny_path):
 
     with pytest.raises(ValueError, match="needs a LoRA policy"):
         adapter_engine_options(VLM(tiny_path("qwen2_5_vl")))
-    vlm = VLM(tiny_path("qwen2_5_vl"), lora={"r": 12}, freeze_vision_tower=False)
+    vlm = VLM(tiny_path("qwen2_5_vl"), lora={"r": 12}, freeze_vision_tower=True)
     assert adapter_engine_options(vlm) == {"enable_lora": True, "max_lora_rank": 16, "max_loras": 1}
     next(p for n, p in vlm.model.named_parameters() if "lm_head" in n).requires_grad_(True)
     with pytest.raises(ValueError, match="lm_head.*train too"):

@@ -255,3 +255,17 @@ def test_the_processor_comes_from_the_model_kwargs_cache_too(tiny_path, tmp_path
     (cache / "models--tiny--qwen" / "refs" / "main").write_text("0" * 40)
     vlm = VLM("tiny/qwen", model_kwargs={"cache_dir": str(cache)})
     assert vlm.tokenizer("red")["input_ids"]
+
+
+def test_lora_refuses_an_unfrozen_vision_tower_it_would_not_train(tiny_path, tmp_path):
+    # PEFT froze the tower whatever model.freeze_vision_tower said (and left it in train mode).
+    from helpers import compose_train
+
+    with pytest.raises(ValueError, match="freeze_vision_tower=false with LoRA"):
+        VLM(tiny_path(), lora={"r": 4}, freeze_vision_tower=False)
+    # adapters that reach into the tower train it: accepted
+    vlm = VLM(tiny_path(), lora={"r": 4, "target_modules": "all-linear"}, freeze_vision_tower=False)
+    assert any(p.requires_grad for p in vlm.vision_tower.parameters())
+    # lora=default freezes it, also on the tiny models (which train it without LoRA)
+    assert compose_train(["lora=default"], tmp_path).model.freeze_vision_tower is True
+    assert compose_train([], tmp_path).model.freeze_vision_tower is False

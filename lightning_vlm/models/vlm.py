@@ -83,6 +83,16 @@ class VLM(torch.nn.Module):
                 kwargs["target_modules"] = self.language_lora_targets(model)
             kwargs.setdefault("task_type", "CAUSAL_LM")
             model = get_peft_model(model, LoraConfig(**kwargs))
+            if not freeze_vision_tower and not any(
+                p.requires_grad for p in self._find(model.get_base_model(), VISION_ATTRS).parameters()
+            ):
+                # PEFT freezes everything but the adapters and modules_to_save: the flag would be ignored.
+                raise ValueError(
+                    "model.freeze_vision_tower=false with LoRA: PEFT trains only the adapters and "
+                    "model.lora.modules_to_save, none of them in the vision tower, so it would stay frozen. "
+                    "Set model.freeze_vision_tower=true (lora=default does), or name vision modules in "
+                    "model.lora.target_modules or model.lora.modules_to_save"
+                )
         # from_pretrained returns eval mode; Lightning keeps modes as it finds them, so without this
         # dropout would silently stay off in training. A frozen vision tower stays in eval mode.
         model.train()
