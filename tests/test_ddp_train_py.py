@@ -105,3 +105,27 @@ def test_a_sweep_under_torchrun_runs_every_method_on_two_processes(tmp_path):
         f"method={m}" for m in methods
     ]
     assert all(j["status"] == "completed" for j in jobs), [j["error"] for j in jobs if j["error"]]
+
+
+@pytest.mark.parametrize("method", ["sft", "kto"])
+def test_eval_py_on_two_processes_scores_each_row_once_as_one_process(method, tmp_path):
+    # Lightning's DistributedSampler repeated a row: 7 rows scored as 8, and every metric counted it.
+    # KTO gathers each step's rows from every rank (a collective every batch).
+    common = [f"method={method}", "logger=none", "data.synthetic.num_val=7", "data.val_batch_size=2",
+              "trainer.enable_progress_bar=false"]  # fmt: skip
+    reports = {}
+    for name, extra in (("one", ["trainer.devices=1", "trainer.accelerator=cpu"]), ("two", DDP)):
+        path = tmp_path / f"{name}.json"
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "eval.py"), *common, *extra, f"report_path={path}", f"hydra.run.dir={tmp_path / name}"],
+            cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        reports[name] = json.loads(path.read_text())
+    assert reports["one"]["num_rows"] == reports["two"]["num_rows"] == 7
+    one, two = reports["one"]["metrics"], reports["two"]["metrics"]
+    assert one.keys() == two.keys()
+    for key, value in one.items():
+        if method == "kto" and key in ("val/kl", "val/rewards/margins"):
+            continue  # KTO's z0 pairs rows within a step: other batch boundaries, other pairs (as in TRL)
+        assert two[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key

@@ -26,6 +26,7 @@ from lightning_vlm.data.skips import NoRowsError, SkippedRow, collate_rows, requ
 from lightning_vlm.data.sources import Source, load_source, plain
 from lightning_vlm.data.templates import RowFormat
 from lightning_vlm.data.unpair import unpair
+from lightning_vlm.data.val_batches import BatchedRows, ShardBatches
 
 logger = logging.getLogger("lightning_vlm.data")
 
@@ -245,14 +246,17 @@ class VLMDataModule(L.LightningDataModule):
         return self.val_dataset.normalized() if self.val_dataset is not None else []
 
     def val_dataloader(self) -> DataLoader | list:
-        """Batches of validation rows in order; an empty list (Lightning: no validation) when there is none."""
+        """Batches of validation rows in order, each row once over all processes (``ShardBatches``); an
+        empty list (Lightning: no validation) when there is none."""
         if self.val_dataset is None:
             return []
         hp = self.hparams
+        rank, world = self._world()
+        batches = ShardBatches(len(self.val_dataset), hp.val_batch_size or hp.batch_size, world, rank)
         return DataLoader(
-            self.val_dataset,
-            batch_size=hp.val_batch_size or hp.batch_size,
-            shuffle=False,
+            BatchedRows(self.val_dataset),
+            batch_size=None,  # the sampler yields whole batches
+            sampler=batches,
             collate_fn=collate_rows,
             num_workers=hp.num_workers,
             persistent_workers=hp.num_workers > 0,
