@@ -128,15 +128,23 @@ class WandbRunId(L.Callback):
                 return
 
 
+def _state_file(folder: Path) -> Path:
+    """Where a checkpoint folder keeps Lightning's own entries: FSDP's sharded checkpoints in meta.pt,
+    DeepSpeed's beside rank 0's model states (``checkpoint/[zero_pp_rank_0_]mp_rank_00_model_states.pt``)."""
+    if (folder / "meta.pt").is_file():
+        return folder / "meta.pt"
+    deepspeed = sorted((folder / "checkpoint").glob("*mp_rank_00_model_states.pt"))
+    return deepspeed[0] if deepspeed else folder / "meta.pt"
+
+
 def wandb_run_id(ckpt_path: str | os.PathLike | None) -> str | None:
-    """The W&B run id stored in the local checkpoint at ``ckpt_path`` (a file, or a sharded checkpoint's
-    folder), or ``None``: none stored, no such local file, or a file that does not load (the fit's own
+    """The W&B run id stored in the local checkpoint at ``ckpt_path`` (a file, or an FSDP or DeepSpeed
+    checkpoint's folder), or ``None``: none stored, no such local file, or a file that does not load (the fit's own
     load then says what is wrong with it). Read with ``weights_only=True`` and memory-mapped."""
     if not ckpt_path or "://" in str(ckpt_path):
         return None
     path = Path(ckpt_path)
-    # Lightning's sharded (FSDP) checkpoints keep everything but the tensors in meta.pt.
-    file = path / "meta.pt" if path.is_dir() else path
+    file = _state_file(path) if path.is_dir() else path
     if not file.is_file():
         return None
     try:

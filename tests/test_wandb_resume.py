@@ -108,6 +108,11 @@ def test_the_run_id_is_read_only_from_local_checkpoints_that_load(tmp_path):
     sharded.mkdir()
     torch.save({WANDB_RUN_KEY: {"id": "def456"}}, sharded / "meta.pt")
     assert wandb_run_id(sharded) == "def456"
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):  # ZeRO-2, ZeRO-3
+        deepspeed = tmp_path / f"{name}.ckpt" / "checkpoint"
+        deepspeed.mkdir(parents=True)
+        torch.save({"module": {}, WANDB_RUN_KEY: {"id": "ghi789"}}, deepspeed / name)
+        assert wandb_run_id(deepspeed.parent) == "ghi789"  # a resumed DeepSpeed run started a new W&B run
     torch.save({"state_dict": {}}, tmp_path / "old.ckpt")
     (tmp_path / "noise.ckpt").write_bytes(os.urandom(4096))
     # None: the fit's own load then reports what is wrong (or the run simply starts a new W&B run).
