@@ -226,3 +226,11 @@ def test_lora_trains_adapters_only_and_its_reference_is_the_base(tmp_path):
         policy_logps, _ = vlm.token_logps(batch.inputs, batch.completion_mask)
     torch.testing.assert_close(ref_logps, base_logps, atol=1e-5, rtol=0)
     assert (policy_logps - base_logps).abs().max() > 1e-4
+
+
+def test_a_prompt_longer_than_max_length_is_named_by_its_question(vlm):
+    rows = synthetic_rows("preference", 2, seed=1)
+    question = rows[0]["prompt"][0]["content"][-1]["text"]
+    with pytest.raises(ValueError, match="row 0 of the batch") as err:
+        encode_pairs(vlm, rows, max_length=5)
+    assert repr(question[:20])[:-1] in str(err.value) and "with 1 image)" in str(err.value)

@@ -130,8 +130,11 @@ def test_cut_image_tokens_raise_naming_the_sample(vlms, family):
     image_id = vlm.config.image_token_id
     # Keeps all of row 0's image tokens but cuts through row 2's second image.
     last_image_row0 = int((inputs["input_ids"][0] == image_id).nonzero()[-1])
-    with pytest.raises(ValueError, match="sample 1: .* would cut its image tokens"):
+    with pytest.raises(ValueError, match="sample 1: .* would cut its image tokens") as err:
         vlm.encode_sft([rows[0], rows[2]], max_length=last_image_row0 + 1)
+    # rows carry no dataset index: the message quotes the row's question and counts its images
+    question = rows[2]["messages"][0]["content"][-1]["text"]
+    assert f"(the row {question[:20]!r}"[:-1] in str(err.value) and "with 2 images)" in str(err.value)
     broken = dict(inputs)
     broken["input_ids"] = inputs["input_ids"].clone()
     broken["input_ids"][2, (inputs["input_ids"][2] == image_id).nonzero()[0]] = vlm.pad_token_id

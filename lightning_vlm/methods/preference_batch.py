@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_vlm.models.encoding import render
+from lightning_vlm.models.encoding import render, row_summary
 from lightning_vlm.models.image_tokens import repeat_samples
 from lightning_vlm.models.vision_cache import repeated_groups, with_image_groups
 
@@ -75,8 +75,9 @@ def encode_pairs(
             room = max_length - length
             if room < 1:
                 raise ValueError(
-                    f"row {i}: the prompt alone has {length} tokens, max_length={max_length} leaves no room for "
-                    "the answer (prompts and their image tokens are never truncated); raise max_length"
+                    f"row {i} of the batch ({row_summary(rows[i])}): the prompt alone has {length} tokens, "
+                    f"max_length={max_length} leaves no room for the answer (prompts and their image tokens are "
+                    "never truncated); raise max_length, or shrink the images (model.processor_kwargs)"
                 )
             for j in range(k * i, k * i + k):
                 completions[j] = completions[j][:room]

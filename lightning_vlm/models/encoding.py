@@ -55,6 +55,20 @@ def assistant_char_spans(
     return text, spans
 
 
+def row_summary(row: dict) -> str:
+    """A row as an error message can name it in a batch: its first user text and its image count (rows do
+    not carry their dataset index), e.g. ``"What colour is the shape?..." with 1 image``."""
+    messages = row.get("messages") or row.get("prompt") or []
+    texts = [
+        m["content"] if isinstance(m["content"], str)
+        else " ".join(b.get("text") or "" for b in m["content"] if b.get("type") == "text")
+        for m in messages if m.get("role") == "user"
+    ]  # fmt: skip
+    text = " ".join((texts[0] if texts else "").split())
+    n = len(row.get("images") or [])
+    return f"{text[:60]!r}{'...' if len(text) > 60 else ''} with {n} image{'s' if n != 1 else ''}"
+
+
 def _images_arg(images: Sequence[Sequence[Image.Image]]):
     return [list(imgs) for imgs in images] if any(len(imgs) for imgs in images) else None
 
@@ -121,7 +135,11 @@ def encode_sft(processor, config, rows: list[dict], end_of_turn: str, max_length
     labels[batch["attention_mask"] == 0] = IGNORE_INDEX
     batch["labels"] = labels
     if max_length is not None:
-        batch = _truncate_right(batch, max_length, image_token_id(config))
+        try:
+            batch = _truncate_right(batch, max_length, image_token_id(config))
+        except ValueError as err:
+            b = int(str(err).split(":", 1)[0].removeprefix("sample "))
+            raise ValueError(f"{err} (the row {row_summary(rows[b])})") from None
     return batch
 
 
