@@ -127,6 +127,16 @@ def test_sft_tokenises_prompt_and_answer_apart_as_dpo_and_generation_do(vlms, fa
         )
         assert batch["input_ids"][b][: len(whole)].tolist() == whole, b
     assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape
+    # An answer that starts with an image: Gemma 3 wraps it in "\n\n", which merges with the prompt's
+    # "\n" inside the expanded placeholder; that token is left whole (splitting it invented '<', 's').
+    messages = [
+        user("What colour?"),
+        {"role": "assistant", "content": [{"type": "image"}, {"type": "text", "text": "red"}]},
+    ]
+    image_first = vlm.encode_sft([{"messages": messages, "images": [image]}])
+    text = vlm.processor.apply_chat_template(messages, tokenize=False)
+    raw = vlm.processor(text=[text], images=[[image]], return_tensors="pt", add_special_tokens=False)
+    assert image_first["input_ids"][0].tolist() == raw["input_ids"][0].tolist()
 
 
 @pytest.mark.parametrize("family", MIXED_CASES)

@@ -51,6 +51,10 @@ def split_straddling(
         for cut in row_bounds:
             for p in ((starts < cut) & (ends > cut) & real).nonzero().flatten().tolist():
                 s, e = int(starts[p]), int(ends[p])
+                if any(r["new_span"][0] < e and s < r["new_span"][1] for r in replacements[b]):
+                    # Part of an expanded image placeholder (Gemma 3 wraps its image in "\n\n"): its text
+                    # is not in the rendered conversation, so the token is left whole.
+                    continue
                 text = texts[b][_unexpanded(s, replacements[b]) : _unexpanded(e, replacements[b])]
                 head, tail = text[: cut - s], text[cut - s :]
                 enc = tokenizer([head, tail], add_special_tokens=False, return_offsets_mapping=True)
