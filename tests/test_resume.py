@@ -132,3 +132,17 @@ def test_a_resume_with_a_larger_batch_trains_the_rest_of_the_epoch(tmp_path, cap
     assert resumed["trainer"].global_step == 5 + 6
     assert resumed["trainer"].train_dataloader.state_dict()["samples"] == 64
     assert any("at 4 rows a step with 1 processes at 8 rows a step" in r.getMessage() for r in caplog.records)
+
+
+def test_the_batch_count_after_a_resume_follows_limit_train_batches(tmp_path):
+    # limit_train_batches=4 cut the count the repair compared with the loader's whole epoch: 0 batches
+    # counted done, so the resumed epoch ran 4 more batches of 8 instead of the 3 its limit leaves.
+    ckpt_dir = tmp_path / "a" / "ckpt"
+    first = [*COMMON, "trainer.max_steps=2",  # 8 of 64 rows
+             "+callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint", f"+callbacks.ckpt.dirpath={ckpt_dir}",
+             "+callbacks.ckpt.every_n_train_steps=2", "+callbacks.ckpt.filename=mid"]  # fmt: skip
+    train(compose_train(first, tmp_path / "a"))
+    resume = [*COMMON, "data.batch_size=8", "trainer.max_steps=-1", "trainer.max_epochs=1",
+              "trainer.limit_train_batches=4", f"ckpt_path={ckpt_dir / 'mid.ckpt'}"]  # fmt: skip
+    _, resumed = train(compose_train(resume, tmp_path / "b"))
+    assert resumed["trainer"].global_step == 2 + 3  # the 8 rows done are one batch of 8 of the 4 allowed

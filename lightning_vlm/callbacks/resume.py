@@ -46,7 +46,8 @@ class BatchCountAfterResume(L.Callback):
         loader = trainer.train_dataloader
         if not isinstance(loader, ResumableDataLoader) or not loader.resumed_with_other_batch:
             return
-        done = max(0, int(trainer.num_training_batches) - loader.batches_left())
+        # Against the loader's whole epoch (len), not limit_train_batches' cut: the loader counts that.
+        done = max(0, len(loader) - loader.batches_left())
         # Lightning steps when the count is a multiple of accumulate_grad_batches (or at the epoch's last
         # batch): rounding down keeps whole accumulations, and the loader still ends the epoch.
         done -= done % trainer.accumulate_grad_batches
