@@ -249,6 +249,8 @@ def test_engines_take_the_policys_processor_settings_unless_given_their_own():
 
 
 def test_engine_dicts_are_set_from_the_command_line(tmp_path):
+    import json
+
     # Both were None-valued typed nodes, into which OmegaConf cannot merge a command-line dict
     # ('NoneType' object has no attribute 'get'): only a YAML file could set them.
     from helpers import compose_train
@@ -259,6 +261,12 @@ def test_engine_dicts_are_set_from_the_command_line(tmp_path):
                          "callbacks.vllm_generation.engine.limit_mm_per_prompt={image:6}"], tmp_path)  # fmt: skip
     engine = EngineOptions.build(cfg.callbacks.vllm_generation.engine)
     assert engine.mm_processor_kwargs == {"max_pixels": 3136} and engine.limit_mm_per_prompt == {"image": 6}
+    nested = compose_train(["generation=vllm_colocate",
+                            "callbacks.vllm_generation.engine.mm_processor_kwargs={size:{longest_edge:448}}"], tmp_path)  # fmt: skip
+    options = EngineOptions.build(nested.callbacks.vllm_generation.engine)
+    assert type(options.mm_processor_kwargs["size"]) is dict  # a DictConfig broke the server's JSON
+    args = options.server_args()
+    assert json.loads(args[args.index("--mm-processor-kwargs") + 1]) == {"size": {"longest_edge": 448}}
     unset = EngineOptions.build(
         compose_train(["generation=vllm_colocate"], tmp_path).callbacks.vllm_generation.engine
     )

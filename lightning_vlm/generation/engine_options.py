@@ -20,6 +20,14 @@ MODEL_IMPLS = ("auto", "vllm", "transformers")
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 
 
+def _plain(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    """A Hydra node (nested ones too, e.g. ``size: {longest_edge: 448}``) as plain dicts: vLLM and the
+    server's JSON command line take no DictConfig."""
+    from omegaconf import DictConfig, OmegaConf
+
+    return OmegaConf.to_container(mapping, resolve=True) if isinstance(mapping, DictConfig) else dict(mapping)
+
+
 @dataclass
 class EngineOptions:
     """How a vLLM engine is built. ``dtype="auto"``: the checkpoint's on GPU, float32 on CPU;
@@ -68,7 +76,7 @@ class EngineOptions:
             values["extra"] = dict(values.get("extra") or {})
             for key in ("limit_mm_per_prompt", "mm_processor_kwargs"):
                 if values.get(key) is not None:
-                    values[key] = dict(values[key])
+                    values[key] = _plain(values[key])
             options = cls(**values)
         return dataclasses.replace(options, **overrides) if overrides else options
 

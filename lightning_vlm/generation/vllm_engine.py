@@ -77,7 +77,9 @@ def make_vllm_engine(
     kwargs: dict[str, Any] = {
         "model": os.fspath(model_path),
         "max_model_len": max_model_len,
-        "limit_mm_per_prompt": dict(engine.limit_mm_per_prompt or IMAGES_ONLY),
+        "limit_mm_per_prompt": dict(
+            IMAGES_ONLY if engine.limit_mm_per_prompt is None else engine.limit_mm_per_prompt
+        ),
         "model_impl": engine.model_impl,
         "logprobs_mode": engine.logprobs_mode,
         "seed": engine.seed,
