@@ -60,3 +60,25 @@ def test_a_fit_stopped_mid_epoch_resumes_in_that_epoch(tmp_path, hook):
     a, b = _weights(straight), _weights(resumed)
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_stop_refused_before_min_steps_does_not_save_every_step(tmp_path, monkeypatch):
+    # Lightning keeps should_stop set and goes on until min_steps: last.ckpt was then written every step.
+    from lightning_vlm.callbacks.last_checkpoint import LastCheckpoint
+
+    saved = []
+    original = LastCheckpoint._save_last_checkpoint
+
+    def counting(self, trainer, *args):
+        saved.append(trainer.global_step)
+        return original(self, trainer, *args)
+
+    monkeypatch.setattr(LastCheckpoint, "_save_last_checkpoint", counting)
+    stop = ["+callbacks.stop._target_=test_resume_after_stop.StopAt", "+callbacks.stop.at_step=2",
+            "+callbacks.stop.hook=train_batch_end", "+trainer.min_steps=5", "trainer.limit_val_batches=0",
+            "trainer.max_steps=8"]  # fmt: skip
+    _, out = train(compose_train([*COMMON, *stop], tmp_path))
+    # Lightning 2.6 does not stop for a request it refused (it trains on to max_steps); last.ckpt is then
+    # written at the end only, where it was written at every step from 2 on.
+    assert out["trainer"].global_step == 8
+    assert saved == [8]

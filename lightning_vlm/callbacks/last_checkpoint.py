@@ -19,6 +19,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 
+def _stopping(trainer: L.Trainer) -> bool:
+    # A stop Lightning honours: before min_steps/min_epochs it keeps should_stop set and goes on.
+    return trainer.should_stop and trainer.fit_loop._can_stop_early
+
+
 class LastCheckpoint(ModelCheckpoint):
     """Writes ``<dirpath>/last.ckpt`` every ``every_n_train_steps`` optimizer steps (``0``: only at the end)
     and at the end of fit: the full training state (optimizer, loops, data position), so a run resumes
@@ -60,7 +65,7 @@ class LastCheckpoint(ModelCheckpoint):
         # saved here, not in on_train_end: by then Lightning has marked the epoch finished, and a
         # resume from that state would skip the rest of the epoch.
         last_step = 0 < trainer.max_steps <= step
-        if due or last_step or trainer.should_stop:
+        if due or last_step or _stopping(trainer):
             self._save_now(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -69,7 +74,7 @@ class LastCheckpoint(ModelCheckpoint):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Saves when this validation stopped fit (early stopping); the rest is the best-by-metric
         checkpoint's business."""
-        if trainer.should_stop and not trainer.sanity_checking:
+        if _stopping(trainer) and not trainer.sanity_checking:
             self._save_now(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
