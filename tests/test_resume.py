@@ -115,17 +115,28 @@ def test_a_two_process_position_continues_on_one_process_with_a_warning(caplog):
     assert sorted(seen + rest) == list(range(12))
 
 
+def _checkpoint_at(step: int, folder):
+    """A run of COMMON (batches of 4) stopped at ``step``, with its checkpoint there; returns that file."""
+    ckpt_dir = folder / "ckpt"
+    overrides = [*COMMON, f"trainer.max_steps={step}",
+                 "+callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint", f"+callbacks.ckpt.dirpath={ckpt_dir}",
+                 f"+callbacks.ckpt.every_n_train_steps={step}", "+callbacks.ckpt.filename=mid"]  # fmt: skip
+    train(compose_train(overrides, folder))
+    return ckpt_dir / "mid.ckpt"
+
+
 def test_a_resume_with_a_larger_batch_trains_the_rest_of_the_epoch(tmp_path, caplog):
     """Lightning counts an epoch's batches; the loader counts samples. A resume with another global batch
     (``data.batch_size``, or more processes) used to end the epoch when Lightning's count, carried over
     from the old batch size, reached the new epoch length: here after 3 of the 6 batches left."""
-    ckpt_dir = tmp_path / "a" / "ckpt"
-    first = [*COMMON, "trainer.max_steps=5",  # 20 of 64 rows
-             "+callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint", f"+callbacks.ckpt.dirpath={ckpt_dir}",
-             "+callbacks.ckpt.every_n_train_steps=5", "+callbacks.ckpt.filename=mid"]  # fmt: skip
-    train(compose_train(first, tmp_path / "a"))
-    resume = [*COMMON, "data.batch_size=8", "trainer.max_steps=-1", "trainer.max_epochs=1",
-              f"ckpt_path={ckpt_dir / 'mid.ckpt'}"]  # fmt: skip
+    mid = _checkpoint_at(5, tmp_path / "a")  # 20 of 64 rows
+    resume = [
+        *COMMON,
+        "data.batch_size=8",
+        "trainer.max_steps=-1",
+        "trainer.max_epochs=1",
+        f"ckpt_path={mid}",
+    ]
     with caplog.at_level("WARNING"):
         _, resumed = train(compose_train(resume, tmp_path / "b"))
     # the 44 rows left, in batches of 8: 5 whole ones and a last of 4
@@ -137,12 +148,8 @@ def test_a_resume_with_a_larger_batch_trains_the_rest_of_the_epoch(tmp_path, cap
 def test_the_batch_count_after_a_resume_follows_limit_train_batches(tmp_path):
     # limit_train_batches=4 cut the count the repair compared with the loader's whole epoch: 0 batches
     # counted done, so the resumed epoch ran 4 more batches of 8 instead of the 3 its limit leaves.
-    ckpt_dir = tmp_path / "a" / "ckpt"
-    first = [*COMMON, "trainer.max_steps=2",  # 8 of 64 rows
-             "+callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint", f"+callbacks.ckpt.dirpath={ckpt_dir}",
-             "+callbacks.ckpt.every_n_train_steps=2", "+callbacks.ckpt.filename=mid"]  # fmt: skip
-    train(compose_train(first, tmp_path / "a"))
+    mid = _checkpoint_at(2, tmp_path / "a")  # 8 of 64 rows
     resume = [*COMMON, "data.batch_size=8", "trainer.max_steps=-1", "trainer.max_epochs=1",
-              "trainer.limit_train_batches=4", f"ckpt_path={ckpt_dir / 'mid.ckpt'}"]  # fmt: skip
+              "trainer.limit_train_batches=4", f"ckpt_path={mid}"]  # fmt: skip
     _, resumed = train(compose_train(resume, tmp_path / "b"))
     assert resumed["trainer"].global_step == 2 + 3  # the 8 rows done are one batch of 8 of the 4 allowed

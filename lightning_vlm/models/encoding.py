@@ -21,7 +21,7 @@ from PIL import Image
 
 from .family_rules import image_token_id
 from .image_tokens import NUM_IMAGES_KEY
-from .token_boundaries import TYPE_ID_KEYS, is_token_key, split_straddling
+from .token_boundaries import TYPE_ID_KEYS, is_token_key, placeholder_shift, split_straddling
 
 IGNORE_INDEX = -100
 
@@ -89,16 +89,6 @@ def process(processor, texts: list[str], images, padding_side: str, **kwargs) ->
     return out
 
 
-def _expanded(pos: int, replacements: list[dict]) -> int:
-    # Placeholders before ``pos`` grew by (len(new) - len(old)) characters each.
-    shift = 0
-    for r in replacements:
-        (old_start, old_end), (new_start, new_end) = r["span"], r["new_span"]
-        if old_end <= pos:
-            shift += (new_end - new_start) - (old_end - old_start)
-    return pos + shift
-
-
 def encode_sft(processor, config, rows: list[dict], end_of_turn: str, max_length: int | None = None) -> dict:
     """Right-padded training tensors; ``labels`` are -100 except on assistant turns (with end-of-turn).
 
@@ -121,15 +111,19 @@ def encode_sft(processor, config, rows: list[dict], end_of_turn: str, max_length
     if replacements is None or isinstance(replacements, torch.Tensor):
         # None, or (InternVL, no image in the batch) an empty tensor: nothing was expanded.
         replacements = [[] for _ in rows]
-    starts_of_turns = [[_expanded(lo, replacements[b]) for lo, _ in row] for b, row in enumerate(spans)]
+    # The assistant spans in the expanded text, which the token offsets refer to.
+    expanded = [
+        [(placeholder_shift(lo, replacements[b]), placeholder_shift(hi, replacements[b])) for lo, hi in row]
+        for b, row in enumerate(spans)
+    ]
+    starts_of_turns = [[lo for lo, _ in row] for row in expanded]
     batch, offsets = split_straddling(
         batch, offsets, starts_of_turns, list(texts), replacements, processor.tokenizer
     )
     labels = torch.full_like(batch["input_ids"], IGNORE_INDEX)
-    for b, sample_spans in enumerate(spans):
+    for b, sample_spans in enumerate(expanded):
         starts, ends = offsets[b, :, 0], offsets[b, :, 1]
         for lo, hi in sample_spans:
-            lo, hi = _expanded(lo, replacements[b]), _expanded(hi, replacements[b])
             inside = (ends > starts) & (starts < hi) & (ends > lo)
             labels[b, inside] = batch["input_ids"][b, inside]
     labels[batch["attention_mask"] == 0] = IGNORE_INDEX

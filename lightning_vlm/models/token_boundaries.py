@@ -23,14 +23,16 @@ def is_token_key(key: str, value, batch: dict) -> bool:
     )
 
 
-def _unexpanded(pos: int, replacements: list[dict]) -> int:
-    # The inverse of encoding._expanded for a position outside every placeholder.
+def placeholder_shift(pos: int, replacements: list[dict], expanded: bool = False) -> int:
+    """``pos`` in the rendered text moved into the processor's placeholder-expanded text (each
+    placeholder before it grew by len(new) - len(old) characters), or with ``expanded`` a position of
+    the expanded text moved back (it must lie outside every placeholder)."""
     shift = 0
     for r in replacements:
         (old_start, old_end), (new_start, new_end) = r["span"], r["new_span"]
-        if new_end <= pos:
+        if (new_end if expanded else old_end) <= pos:
             shift += (new_end - new_start) - (old_end - old_start)
-    return pos - shift
+    return pos - shift if expanded else pos + shift
 
 
 def split_straddling(
@@ -55,7 +57,9 @@ def split_straddling(
                     # Part of an expanded image placeholder (Gemma 3 wraps its image in "\n\n"): its text
                     # is not in the rendered conversation, so the token is left whole.
                     continue
-                text = texts[b][_unexpanded(s, replacements[b]) : _unexpanded(e, replacements[b])]
+                text = texts[b][
+                    placeholder_shift(s, replacements[b], True) : placeholder_shift(e, replacements[b], True)
+                ]
                 head, tail = text[: cut - s], text[cut - s :]
                 enc = tokenizer([head, tail], add_special_tokens=False, return_offsets_mapping=True)
                 ids = enc["input_ids"][0] + enc["input_ids"][1]
