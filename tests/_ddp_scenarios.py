@@ -30,6 +30,7 @@ from ddp_helpers import (  # noqa: E402
     EXPORTS,
     TWO_PROCESSES,
     TWO_PROCESSES_FSDP,
+    correction_inputs,
     learning_overrides,
 )
 
@@ -128,6 +129,8 @@ def collectives(out: Path) -> None:
     """The collectives with a different number of rows on each rank (rank r holds r + 1)."""
     import torch.distributed as dist
 
+    from lightning_vlm.losses.importance import rollout_correction
+    from lightning_vlm.methods.online_metrics import pooled_correction
     from lightning_vlm.parallel.collectives import (
         Shard,
         all_gather_object,
@@ -149,6 +152,13 @@ def collectives(out: Path) -> None:
         "pooled": float(pooled_means({"mean": rows.mean()}, len(rows))["mean"]),
         "pooled_one_empty": float(pooled_means(*one_empty)["mean"]),
     }  # fmt: skip
+    # the rollout correction's metrics; then with rank 1 holding no rows
+    for level in ("token", "sequence"):
+        for tag, rows in (("", None), ("_one_empty", 0 if r else None)):
+            old, sampler, mask = correction_inputs(r, rows)
+            _, metrics = rollout_correction(old, sampler, mask, level, "truncate", cap=1.5)
+            pooled = pooled_correction(metrics, mask, level)
+            result[f"correction_{level}{tag}"] = {k: float(v) for k, v in pooled.items()}
     (out / f"collectives-rank{r}.json").write_text(json.dumps(result))
 
 

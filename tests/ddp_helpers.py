@@ -109,6 +109,20 @@ class SaveWeights(L.Callback):
             torch.save(weights, self.path)
 
 
+# Per rank, the rows of (trainer - sampler) log-ratios and their completion masks that the collectives
+# scenario pools: the ranks hold different numbers of rows, tokens and widths.
+CORRECTION_ROWS = (
+    ([[0.7, -0.7, 1.4], [0.4, -0.3, 0.0]], [[1, 1, 1], [1, 1, 0]]),
+    ([[-1.1, 2.0]], [[1, 1]]),
+)
+
+
+def correction_inputs(rank: int, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rollout_correction``'s (old, sampler, mask) for ``CORRECTION_ROWS[rank]`` (its first ``rows``)."""
+    ratios, mask = (torch.tensor(x, dtype=torch.float32)[:rows] for x in CORRECTION_ROWS[rank])
+    return torch.zeros_like(ratios), -ratios, mask
+
+
 def write_variable_length_data(dirpath: Path, n: int = 32) -> Path:
     """SFT and preference JSONL files (images as PNG files) whose answers have 1-5 words, and prompts
     whose ``tie`` column marks the rows where :func:`online_helpers.tie_marked_reward_fn` ties."""

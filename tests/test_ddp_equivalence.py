@@ -20,17 +20,20 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 from ddp_helpers import (
     COMMON,
     EQUIVALENCE,
     EXPORTS,
     FSDP_EQUIVALENCE,
     ONE_PROCESS,
+    correction_inputs,
     torchrun,
     write_variable_length_data,
 )
 
 from helpers import ROOT, compose_train
+from lightning_vlm.losses.importance import rollout_correction
 from lightning_vlm.training import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.ddp]
@@ -197,6 +200,20 @@ def test_collectives_take_a_different_number_of_rows_on_each_rank(two_processes)
         assert result["pooled"] == 7.0  # the mean of all 3 rows (0, 10, 11), not of the means 0 and 10.5
         assert result["pooled_one_empty"] == 5.0  # rank 0's one row (5); rank 1's empty mean is NaN
         assert result["objects"] == [{"rank": 0}, {"rank": 1}]
+    # The rollout correction's logged metrics are those of one process holding every rank's rows. They were
+    # means (min, max) over ranks of each rank's values, and a rank without rows gave 0 for its ratios.
+    for level in ("token", "sequence"):
+        for tag, ranks in (("", (0, 1)), ("_one_empty", (0,))):
+            parts = [correction_inputs(r) for r in ranks]
+            width = max(p[0].shape[1] for p in parts)
+            old, sampler, mask = (torch.cat([F.pad(p[i], (0, width - p[i].shape[1])) for p in parts])
+                                  for i in range(3))  # fmt: skip
+            _, expected = rollout_correction(old, sampler, mask, level, "truncate", cap=1.5)
+            for result in results:
+                logged = result[f"correction_{level}{tag}"]
+                assert logged.keys() == expected.keys(), (level, tag)
+                for name, value in expected.items():
+                    assert logged[name] == pytest.approx(float(value), rel=1e-6), (level, tag, name)
 
 
 @pytest.mark.parametrize("variant", ["full", "lora"])

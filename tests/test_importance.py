@@ -57,6 +57,19 @@ def test_sampler_kl_is_k3_token_mean():
     close(m["sampler_logp_diff/max"], L4)
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_no_completion_token_describes_no_ratio(level):
+    # A rank whose rows were all skipped holds no completion: its ratio statistics were 0, which the
+    # minimum over ranks then reported as the run's smallest ratio.
+    for rows in (torch.zeros(0, 3), torch.zeros(2, 3)):
+        w, m = rollout_correction(rows, rows, rows, level, "truncate")
+        assert w.shape == rows.shape and not w.any()
+        for name in ("is_ratio/mean", "is_ratio/min", "is_ratio/max"):
+            assert m[name].isnan(), name
+        close(m["is_ratio/capped_frac"], 0.0)
+        close(m["sampler_kl"], 0.0)
+
+
 def test_weights_are_detached_and_equal_logps_give_ones():
     old = torch.randn(2, 4, requires_grad=True)
     w, m = rollout_correction(old, old.detach().clone(), torch.ones(2, 4), "sequence", "mask")

@@ -47,8 +47,9 @@ def rollout_correction(
     the whole sampled completion, because the sample is drawn per sequence; a length-normalised
     (GSPO-style geometric mean) ratio would be a biased correction and would hide a long sequence's
     accumulated drift. Every token of sequence i carries ρ_i. Metrics, over tokens or sequences:
-    ratio mean/min/max before capping, "is_ratio/capped_frac" (truncated or masked), and the
-    k3 estimate of KL(π_sampler‖π_trainer) per token (samples come from the sampler).
+    ratio mean/min/max before capping (NaN without a completion token: there is nothing to describe),
+    "is_ratio/capped_frac" (truncated or masked), and the k3 estimate of KL(π_sampler‖π_trainer) per
+    token (samples come from the sampler).
     """
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
@@ -77,11 +78,11 @@ def rollout_correction(
         n_units = units.sum().clamp(min=1)
         k3 = torch.exp(token_log_ratio) - token_log_ratio - 1.0  # 0 on padding since log-ratio is 0
         empty = ratio.numel() == 0
-        zero = old_logps.new_zeros(())
+        zero, nan = old_logps.new_zeros(()), old_logps.new_full((), math.nan)
         metrics = {
-            "is_ratio/mean": zero if empty else ratio.mean(),
-            "is_ratio/min": zero if empty else ratio.min(),
-            "is_ratio/max": zero if empty else ratio.max(),
+            "is_ratio/mean": nan if empty else ratio.mean(),
+            "is_ratio/min": nan if empty else ratio.min(),
+            "is_ratio/max": nan if empty else ratio.max(),
             "is_ratio/capped_frac": (over & units).sum() / n_units,  # truncated or masked, by mode
             "sampler_kl": (k3 * m).sum() / m.sum().clamp(min=1.0),
             "sampler_logp_diff/max": (token_log_ratio.abs()).max() if m.numel() else zero,

@@ -43,6 +43,7 @@ from lightning_vlm.methods.online_metrics import (
     EXTREMES,
     MissingRewardWarning,
     log_synced,
+    pooled_correction,
     rollout_metrics,
     step_value,
 )
@@ -180,7 +181,8 @@ class OnlineRL(RootCalls, RolloutSampling):
                 batch.old_logps, batch.sampler_logps, batch.completion_mask, self.is_level, self.is_mode,
                 hp.vllm_importance_sampling_cap,
             )  # fmt: skip
-            log_synced(self, {f"train/{k}": v for k, v in is_metrics.items()}, len(rows))
+            pooled = pooled_correction(is_metrics, batch.completion_mask, self.is_level)
+            self.log_dict({f"train/{k}": v for k, v in pooled.items()}, batch_size=len(rows))
         # 4. Advantages, once per generation (statistics over all ranks' completions where TRL takes them
         #    over the whole generation batch).
         batch.advantages = self.compute_advantages(batch)

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_vlm.losses.advantages import as_float64
 from lightning_vlm.methods.rollout_buffer import RolloutBatch
+from lightning_vlm.parallel.collectives import gather_cat, pooled_means
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,26 @@ def rollout_metrics(
 
 
 EXTREMES = ("/min", "/max")
+_CORRECTION_EXTREMES = ("is_ratio/min", "is_ratio/max", "sampler_logp_diff/max")
+
+
+def pooled_correction(
+    metrics: dict[str, torch.Tensor], mask: torch.Tensor, level: str
+) -> dict[str, torch.Tensor]:
+    """``rollout_correction``'s metrics of this rank's completions -> those over every rank's: what one
+    process holding all of them computes (a mean over ranks' means would weigh a rank's few tokens as
+    much as another's many, and a rank without rows, its values NaN, would spread NaN). The ratio's
+    min / max are left out when no rank has a completion token. A collective: every rank calls it.
+    """
+    units = mask.bool().any(-1).sum() if level == "sequence" else mask.sum()
+    out = pooled_means({k: metrics[k] for k in ("is_ratio/mean", "is_ratio/capped_frac")}, units)
+    out |= pooled_means({"sampler_kl": metrics["sampler_kl"]}, mask.sum())
+    extremes = gather_cat(torch.stack([metrics[k].float() for k in _CORRECTION_EXTREMES]).unsqueeze(0))
+    for i, name in enumerate(_CORRECTION_EXTREMES):
+        column = extremes[:, i][~extremes[:, i].isnan()]
+        if column.numel():
+            out[name] = column.min() if name.endswith("/min") else column.max()
+    return out
 
 
 def step_value(name: str, values: list[torch.Tensor], steps: int) -> torch.Tensor:
