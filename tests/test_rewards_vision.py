@@ -175,6 +175,9 @@ def test_count_reward_words_and_digits():
     solution = [3, "3", "two", "three", 20, 3, 3, 3]
     assert count_reward(completions, solution) == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
     assert count_reward(["twenty-one", "one"], ["1", None]) == [0.0, None]
+    # "none" is a count of zero (it scored 0.0 against a solution of 0); "no" is not read as one
+    zeros = ["none", "<answer>None</answer>", "There are none.", "0", "zero", "no", "none of the 2"]
+    assert count_reward(zeros, [0, 0, "none", "zero", 0, 0, 0]) == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
     # one count, named twice, is an answer; several different counts are a hedge
     hedges = [
         "3 shapes: three",

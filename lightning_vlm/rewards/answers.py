@@ -28,9 +28,12 @@ NUMBER_WORDS: dict[str, int] = {
         "fifteen sixteen seventeen eighteen nineteen twenty".split()
     )
 }
+# "none" is how people answer a count of zero ("How many circles? None"). "no" is not read: it is as
+# often a reply ("No, there are three") as a count.
+COUNT_WORDS: dict[str, int] = {**NUMBER_WORDS, "none": 0}
 # A hyphen on either side means a compound ("twenty-one"), outside the words counted.
 _COUNT = re.compile(
-    r"(?<![\w.])(\d+(?:\.\d+)?)(?!\w)|(?<![\w-])(" + "|".join(NUMBER_WORDS) + r")(?![\w-])", re.I
+    r"(?<![\w.])(\d+(?:\.\d+)?)(?!\w)|(?<![\w-])(" + "|".join(COUNT_WORDS) + r")(?![\w-])", re.I
 )
 
 
@@ -71,15 +74,16 @@ def score_with_reference(
 
 
 def parse_counts(text: str) -> list[float]:
-    """Every count the answer names, in order: digits ("3", "3.0") or number words zero..twenty."""
+    """Every count the answer names, in order: digits ("3", "3.0"), number words zero..twenty, or "none" (0)."""
     return [
-        float(digits) if digits is not None else float(NUMBER_WORDS[word.lower()])
+        float(digits) if digits is not None else float(COUNT_WORDS[word.lower()])
         for digits, word in (m.groups() for m in _COUNT.finditer(extract_answer(text)))
     ]
 
 
 def parse_count(text: str) -> float | None:
-    """The first count in the answer: digits ("3", "3.0") or a number word zero..twenty; None if there is none."""
+    """The first count in the answer: digits ("3", "3.0"), a number word zero..twenty or "none" (0); None
+    if there is none."""
     counts = parse_counts(text)
     return counts[0] if counts else None
 
@@ -96,8 +100,8 @@ def _reference_number(reference: Any, parse: Callable[[str], float | None], expe
 def count_reward(
     completions: Sequence[Completion], solution: Sequence[Any] | None = None, **kwargs: Any
 ) -> list[float | None]:
-    """1.0 when the completion's answer names the solution's count (digits or zero..twenty, see
-    ``parse_counts``) and no other, else 0.0.
+    """1.0 when the completion's answer names the solution's count (digits, zero..twenty or "none",
+    see ``parse_counts``) and no other, else 0.0.
 
     "There are 3 shapes: three" names one count; "two or three" names two and scores 0.0, as hedging
     does in ``multiple_choice_reward``: a reward for the first count alone pays a policy to list counts
@@ -114,7 +118,7 @@ def count_reward(
         completions,
         solution,
         kwargs,
-        lambda ref: _reference_number(ref, parse_count, "a count (digits or zero..twenty)"),
+        lambda ref: _reference_number(ref, parse_count, 'a count (digits, zero..twenty or "none")'),
         score,
     )
 
