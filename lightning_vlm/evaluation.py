@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_vlm.ckpt_path import checkpoint_to_load, restore_errors
-from lightning_vlm.loggers import finish_runs
+from lightning_vlm.loggers import ending_runs
 from lightning_vlm.methods.dpo import DPO
 from lightning_vlm.methods.kto import KTO
 from lightning_vlm.parallel.teardown import shut_down_at_exit
@@ -65,16 +65,17 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
             type(module).__name__, cfg.model.model_name_or_path,
         )  # fmt: skip
 
-    with restore_errors(ckpt_path, module):
-        results = trainer.validate(
-            module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False
-        )
-    rows = counter.total(trainer)
-    if not results or rows == 0:
-        raise ValueError(
-            "no validation rows were scored: set data.val=<file or dataset> (or data.val_fraction), and "
-            "check trainer.limit_val_batches"
-        )
+    with ending_runs(loggers):
+        with restore_errors(ckpt_path, module):
+            results = trainer.validate(
+                module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False
+            )
+        rows = counter.total(trainer)
+        if not results or rows == 0:
+            raise ValueError(
+                "no validation rows were scored: set data.val=<file or dataset> (or data.val_fraction), "
+                "and check trainer.limit_val_batches"
+            )
     report = {
         "metrics": {k: float(v) for k, v in sorted(results[0].items())},
         "ckpt_path": ckpt_path,
@@ -90,5 +91,4 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         path.write_text(json.dumps(report, indent=2, default=str) + "\n")
         log.info("Metrics of %s on %d rows: %s", ckpt_path or cfg.model.model_name_or_path, rows,
                  report["metrics"])  # fmt: skip
-    finish_runs(loggers)  # a sweep's next job (same process) would otherwise log into this job's W&B run
     return report, path

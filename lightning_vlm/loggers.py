@@ -13,10 +13,11 @@ the order they started), holding the redone steps a second time, with the same v
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import netrc
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -72,12 +73,27 @@ def wandb_or_csv(
         return CSVLogger(save_dir=save_dir, name=name or "csv")
 
 
-def finish_runs(loggers: list[Logger]) -> None:
+def finish_runs(loggers: list[Logger], exit_code: int | None = None) -> None:
     """Ends the wandb runs these loggers started: the next job of a sweep (same process) would
-    otherwise log into this job's run, since WandbLogger reuses an active run."""
+    otherwise log into this job's run, since WandbLogger reuses an active run. A nonzero
+    ``exit_code`` marks the run failed."""
     for lg in loggers:
         if isinstance(lg, WandbLogger) and lg._experiment is not None:
-            lg.experiment.finish()
+            lg.experiment.finish(exit_code=exit_code)
+
+
+@contextlib.contextmanager
+def ending_runs(loggers: list[Logger]) -> Iterator[None]:
+    """Ends the loggers' wandb runs when the block ends, marked failed when it raises: Hydra goes on to
+    a sweep's next job after one fails, and that job would log into the failed job's run."""
+    try:
+        yield
+    except BaseException as err:
+        # SIGTERM's requeue exit (training.py) keeps its code
+        code = err.code if isinstance(err, SystemExit) and isinstance(err.code, int) else 1
+        finish_runs(loggers, exit_code=code or 1)
+        raise
+    finish_runs(loggers)
 
 
 class ResumingWandbLogger(WandbLogger):

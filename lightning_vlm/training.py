@@ -17,7 +17,7 @@ import lightning_vlm.config  # noqa: F401  (registers the ${tiny_vlm:...} resolv
 from lightning_vlm.callbacks.resume import BatchCountAfterResume, NextEpochAfterRestart
 from lightning_vlm.callbacks.run_report import finish_reports
 from lightning_vlm.ckpt_path import checkpoint_to_load, last_checkpoint, restore_errors
-from lightning_vlm.loggers import WandbRunId, builds_wandb, finish_runs, wandb_run_id
+from lightning_vlm.loggers import WandbRunId, builds_wandb, ending_runs, wandb_run_id
 from lightning_vlm.models.scale_guard import check_model_scale
 from lightning_vlm.parallel.collectives import launcher_rank
 from lightning_vlm.parallel.teardown import shut_down_at_exit
@@ -127,11 +127,26 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     callbacks = drop_refused(callbacks, cfg.trainer, bool(loggers))
     callbacks += resume_callbacks(loggers)
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    with ending_runs(loggers):
+        metrics, initial = _fit(cfg, trainer, module, datamodule)
+    return metrics, {
+        "initial_metrics": initial,
+        "trainer": trainer,
+        "module": module,
+        "datamodule": datamodule,
+        "cfg": cfg,
+    }
+
+
+def _fit(
+    cfg: DictConfig, trainer: L.Trainer, module: L.LightningModule, datamodule: L.LightningDataModule
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Validates before (when asked), fits and validates once if fit did not: the final and the initial metrics."""
     check_launch(trainer)
     # A local file or folder only (a URL would be unpickled with weights_only=False), loaded weights-only.
     ckpt_path = checkpoint_to_load(cfg.get("ckpt_path"), trainer, resuming=True)
 
-    for lg in loggers:
+    for lg in trainer.loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     initial: dict[str, float] = {}
     with restore_errors(ckpt_path, module):
@@ -161,14 +176,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
     log.info("Final metrics: %s", metrics)
     finish_reports(trainer)  # curves and paths: the run's last lines, after any final validation
-    finish_runs(loggers)
-    return metrics, {
-        "initial_metrics": initial,
-        "trainer": trainer,
-        "module": module,
-        "datamodule": datamodule,
-        "cfg": cfg,
-    }
+    return metrics, initial
 
 
 def check_launch(trainer: L.Trainer) -> None:

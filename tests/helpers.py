@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import lightning as L
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -71,6 +72,17 @@ def _median_settled(gains: list[float], bar: float, seeds: int) -> bool:
         return len(gains) == seeds
     passed = sum(g >= bar for g in gains)
     return max(passed, len(gains) - passed) > seeds // 2
+
+
+class RaiseAt(L.Callback):
+    """Fails a job in the middle: raises at the end of its first train (or validation) batch."""
+
+    def on_train_batch_end(self, *args) -> None:
+        raise RuntimeError("boom in training")
+
+    def on_validation_batch_end(self, trainer: L.Trainer, *args) -> None:
+        if not trainer.sanity_checking:
+            raise RuntimeError("boom in validation")
 
 
 class TowerCounter:

@@ -167,3 +167,15 @@ def test_each_eval_job_of_a_sweep_gets_its_own_wandb_run(sft_run, tmp_path, monk
                   tmp_path / str(seed))  # fmt: skip
     runs = [list((tmp_path / str(seed) / "wandb").glob("offline-run-*")) for seed in (0, 1)]
     assert all(len(r) == 1 for r in runs) and runs[0][0].name != runs[1][0].name
+
+
+def test_a_failed_eval_job_ends_its_wandb_run(sft_run, tmp_path, monkeypatch):
+    # The run was ended only after a successful evaluation: the next job of the sweep logged into it.
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    with pytest.raises(RuntimeError, match="boom in validation"):
+        _evaluate([f"ckpt_path={sft_run[0] / 'ckpt' / 'step2.ckpt'}", "logger=wandb",
+                   "+callbacks.boom._target_=helpers.RaiseAt"], tmp_path)  # fmt: skip
+    assert wandb.run is None

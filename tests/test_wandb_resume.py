@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
@@ -60,6 +61,23 @@ def test_ckpt_path_last_continues_the_wandb_run_of_the_checkpoint_it_finds(tmp_p
     run_id = first["trainer"].logger.version
     _, second = train(compose_train([*FAST, "trainer.max_steps=4", "ckpt_path=last"], tmp_path))
     assert second["trainer"].global_step == 4 and second["trainer"].logger.version == run_id
+
+
+def test_a_failed_job_ends_its_wandb_run_and_the_next_job_gets_its_own(tmp_path, monkeypatch):
+    # Hydra's sweeps go on to the next job after one fails; its WandbLogger reused the failed job's
+    # run, which was still active, and logged into it.
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    with pytest.raises(RuntimeError, match="boom in training"):
+        train(compose_train([*FAST, "trainer.max_steps=2", "+callbacks.boom._target_=helpers.RaiseAt"],
+                            tmp_path / "failed"))  # fmt: skip
+    assert wandb.run is None
+    _, second = train(compose_train([*FAST, "trainer.max_steps=1"], tmp_path / "next"))
+    (failed,) = (tmp_path / "failed" / "wandb").glob("offline-run-*")
+    assert not failed.name.endswith(second["trainer"].logger.version)
+    assert wandb.run is None
 
 
 def test_a_logger_node_that_names_its_run_keeps_it_and_other_loggers_get_no_id(tmp_path):
