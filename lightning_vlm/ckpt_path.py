@@ -43,12 +43,18 @@ def checkpoint_to_load(ckpt_path: str | None, trainer: L.Trainer, resuming: bool
     path = Path(ckpt_path)
     if not path.exists():
         raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such file or folder")
+    return _loadable(path, str(ckpt_path), trainer)
+
+
+def _loadable(path: Path, given: str, trainer: L.Trainer) -> str:
+    """``path`` (what ``ckpt_path=given`` names), unless it is a folder this trainer's strategy cannot load."""
     if path.is_dir():
         from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
         if not isinstance(trainer.strategy, FSDPStrategy | DeepSpeedStrategy):
+            found = "" if given == str(path) else f" found {str(path)!r}, which"
             raise ValueError(
-                f"ckpt_path={ckpt_path!r} is a folder: a sharded (FSDP) or DeepSpeed checkpoint, which "
+                f"ckpt_path={given!r}{found} is a folder: a sharded (FSDP) or DeepSpeed checkpoint, which "
                 f"loads only through the strategy that wrote it (this trainer's is "
                 f"{type(trainer.strategy).__name__}). Load it with the training run's strategy, e.g. "
                 "`trainer=fsdp trainer.devices=<N>`, or use the HF folder an ExportHFModel callback "
@@ -78,7 +84,7 @@ def _keyword(keyword: str, trainer: L.Trainer, resuming: bool) -> str | None:
         return keyword
     found = last_checkpoint(trainer.checkpoint_callbacks) if keyword == "last" else None
     if found is not None:
-        return str(found)
+        return _loadable(found, keyword, trainer)
     folders = [Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)]
     where = ", ".join(map(str, folders)) or "none: no checkpoint callback"
     if keyword == "last" and resuming:

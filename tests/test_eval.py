@@ -156,6 +156,15 @@ def test_checkpoints_load_weights_only_locally(sft_run, tmp_path):
     (tmp_path / "sharded.ckpt").mkdir()
     with pytest.raises(ValueError, match=r"sharded \(FSDP\).*trainer=fsdp"):
         checkpoint_to_load(str(tmp_path / "sharded.ckpt"), trainer)
+    # An FSDP run's last.ckpt folder that ckpt_path=last finds is refused the same way (it was handed to
+    # Lightning's DDP/single-device loader as it was)
+    (tmp_path / "ckpts" / "last.ckpt").mkdir(parents=True)
+    checkpointing = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpts")
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[checkpointing])
+    with pytest.raises(
+        ValueError, match=r"ckpt_path='last' found '.*last\.ckpt', which is a folder.*trainer=fsdp"
+    ):
+        checkpoint_to_load("last", trainer, resuming=True)
 
 
 def test_each_eval_job_of_a_sweep_gets_its_own_wandb_run(sft_run, tmp_path, monkeypatch):
