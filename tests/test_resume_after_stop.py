@@ -19,14 +19,14 @@ COMMON = ["logger=none", "callbacks=model_checkpoint", "~callbacks.model_checkpo
 
 
 class StopAt(L.Callback):
-    """Sets ``trainer.should_stop`` at ``at_step`` in ``hook``, as Lightning's Timer (a train batch's end)
-    or EarlyStopping (a validation's end) do."""
+    """Sets ``trainer.should_stop`` in ``hook`` after training batch ``at_batch`` (0-based, counted over
+    the fit), as Lightning's Timer (a train batch's end) or EarlyStopping (a validation's end) do."""
 
-    def __init__(self, at_step: int, hook: str) -> None:
-        self.at_step, self.hook = at_step, hook
+    def __init__(self, at_batch: int, hook: str) -> None:
+        self.at_batch, self.hook = at_batch, hook
 
     def _maybe_stop(self, trainer: L.Trainer) -> None:
-        if trainer.global_step == self.at_step and not trainer.sanity_checking:
+        if trainer.fit_loop.epoch_loop.total_batch_idx == self.at_batch and not trainer.sanity_checking:
             trainer.should_stop = True
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
@@ -42,12 +42,17 @@ def _weights(out) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in out["module"].vlm.model.named_parameters()}
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
 @pytest.mark.parametrize("hook", ["train_batch_end", "validation_end"])
-def test_a_fit_stopped_mid_epoch_resumes_in_that_epoch(tmp_path, hook):
+def test_a_fit_stopped_mid_epoch_resumes_in_that_epoch(tmp_path, hook, accumulate):
     # Validation every batch, so that a validation's end falls mid-epoch, as with val_check_interval.
-    common = [*COMMON, "trainer.val_check_interval=1", "trainer.limit_val_batches=1"]
+    # With 2 batches a step the stop is asked for after batch 4, the first of an accumulation: the stop
+    # used to drop its gradients while the checkpoint counted its rows as trained on. It now waits for
+    # the accumulation's optimizer step (step 3, as with 1 batch a step).
+    common = [*COMMON, "trainer.val_check_interval=1", "trainer.limit_val_batches=1",
+              f"trainer.accumulate_grad_batches={accumulate}"]  # fmt: skip
     _, straight = train(compose_train(common, tmp_path / "straight"))
-    stop = ["+callbacks.stop._target_=test_resume_after_stop.StopAt", "+callbacks.stop.at_step=3",
+    stop = ["+callbacks.stop._target_=test_resume_after_stop.StopAt", f"+callbacks.stop.at_batch={2 * accumulate}",
             f"+callbacks.stop.hook={hook}"]  # fmt: skip
     _, stopped = train(compose_train([*common, *stop], tmp_path / "stopped"))
     assert stopped["trainer"].global_step == 3
@@ -74,7 +79,7 @@ def test_a_stop_refused_before_min_steps_does_not_save_every_step(tmp_path, monk
         return original(self, trainer, *args)
 
     monkeypatch.setattr(LastCheckpoint, "_save_last_checkpoint", counting)
-    stop = ["+callbacks.stop._target_=test_resume_after_stop.StopAt", "+callbacks.stop.at_step=2",
+    stop = ["+callbacks.stop._target_=test_resume_after_stop.StopAt", "+callbacks.stop.at_batch=1",
             "+callbacks.stop.hook=train_batch_end", "+trainer.min_steps=5", "trainer.limit_val_batches=0",
             "trainer.max_steps=8"]  # fmt: skip
     _, out = train(compose_train([*COMMON, *stop], tmp_path))

@@ -7,6 +7,12 @@ of combining schedules): no monitor, no top-k files, only ``last.ckpt``, written
 ``every_n_train_steps`` optimizer steps, at the batch where fit is stopped early (``max_time``, early
 stopping), once more when fit ends, or when the job is told to stop
 (SIGTERM: a preemption, a scheduler's time limit, ``kill``), so a preempted run loses no step.
+
+A stop asked for in the middle of a gradient accumulation (``trainer.accumulate_grad_batches``) waits
+for that accumulation's optimizer step. Lightning would stop at once and drop the accumulated
+gradients, while the saved loop state counts their batches as done: the resume would never train on
+those rows. SIGTERM cannot wait (a scheduler's grace period is short), so it saves mid-accumulation,
+and the resumed run's first optimizer step then holds only the window's remaining batches.
 """
 
 from __future__ import annotations
@@ -16,12 +22,18 @@ from typing import Any
 import lightning as L
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 
 def _stopping(trainer: L.Trainer) -> bool:
     # A stop Lightning honours: before min_steps/min_epochs it keeps should_stop set and goes on.
     return trainer.should_stop and trainer.fit_loop._can_stop_early
+
+
+def _accumulating(trainer: L.Trainer) -> bool:
+    # Lightning's own test, for the batch just run: its gradients wait for a later batch's optimizer step.
+    return trainer.fit_loop.epoch_loop._should_accumulate()
 
 
 class LastCheckpoint(ModelCheckpoint):
@@ -42,6 +54,7 @@ class LastCheckpoint(ModelCheckpoint):
         )
         # global_step at the previous batch end: the schedule fires when a multiple of N is crossed.
         self._step_before: int | None = None
+        self._stop_held = False  # a stop asked for mid-accumulation, held until its optimizer step
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Starts the schedule at the (possibly resumed) global step."""
@@ -65,8 +78,22 @@ class LastCheckpoint(ModelCheckpoint):
         # saved here, not in on_train_end: by then Lightning has marked the epoch finished, and a
         # resume from that state would skip the rest of the epoch.
         last_step = 0 < trainer.max_steps <= step
+        if self._hold_stop(trainer):
+            return
         if due or last_step or _stopping(trainer):
             self._save_now(trainer)
+
+    def _hold_stop(self, trainer: L.Trainer) -> bool:
+        """Holds a stop asked for mid-accumulation (True), and asks for it again at the step that ends the
+        accumulation. Every rank decides alike: the stop is synced and accumulation counts batches."""
+        if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+            return False
+        if _stopping(trainer) and _accumulating(trainer):
+            trainer.should_stop, self._stop_held = False, True
+            return True
+        if self._stop_held and not _accumulating(trainer):
+            trainer.should_stop, self._stop_held = True, False
+        return False
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Nothing: ``last.ckpt`` follows the step schedule, not epochs."""
@@ -74,7 +101,9 @@ class LastCheckpoint(ModelCheckpoint):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Saves when this validation stopped fit (early stopping); the rest is the best-by-metric
         checkpoint's business."""
-        if _stopping(trainer) and not trainer.sanity_checking:
+        if trainer.sanity_checking or self._hold_stop(trainer):  # sanity check: Lightning ignores its stops
+            return
+        if _stopping(trainer):
             self._save_now(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
