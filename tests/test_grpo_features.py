@@ -24,7 +24,7 @@ from hand_helpers import (
 
 from lightning_vlm.data.synthetic import synthetic_rows
 from lightning_vlm.losses.policy import policy_loss
-from lightning_vlm.methods.grpo import GRPO
+from lightning_vlm.methods.grpo import GRPO, linear_quantile
 from lightning_vlm.models.vlm import VLM
 
 G = 4
@@ -128,6 +128,19 @@ def test_top_entropy_quantile_trains_only_the_highest_entropy_tokens(setup, loss
     assert 0.3 < kept < 0.5
     everything, _ = hand_update(path, rollouts, dapo_loss(adv) if loss_type == "dapo" else _grpo_loss(adv))
     assert differs(expected, everything)
+
+
+def test_the_entropy_threshold_is_torch_quantile_for_any_number_of_tokens():
+    # torch.quantile refuses inputs over 2**24 elements ("input tensor is too large"): a micro-batch's
+    # tokens gathered from many ranks can hold that many.
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(0))
+    for q in (0.0, 0.2, 0.5, 0.6, 0.99, 1.0):
+        torch.testing.assert_close(linear_quantile(x, q), torch.quantile(x, q))
+        torch.testing.assert_close(linear_quantile(x[:1], q), x[0])
+    big = torch.arange(2**24 + 2, dtype=torch.float64).flip(0)
+    with pytest.raises(RuntimeError, match="too large"):
+        torch.quantile(big, 0.5)
+    assert linear_quantile(big, 0.5).item() == (2**24 + 1) / 2
 
 
 def test_mask_truncated_completions_drops_truncated_ones_from_the_loss(setup):

@@ -53,6 +53,18 @@ def level_advice(loss_type: str, level: str) -> list[str]:
     return advice
 
 
+def linear_quantile(x: torch.Tensor, q: float) -> torch.Tensor:
+    """``torch.quantile(x, q)`` (linear interpolation) of a 1-D ``x`` of any size: ``torch.quantile``
+    refuses more than 2**24 elements, which a micro-batch's tokens gathered from many ranks can reach."""
+    ordered = x.sort().values
+    position = q * (ordered.numel() - 1)
+    low = int(position)  # floor: position >= 0
+    high = min(low + 1, ordered.numel() - 1)
+    return torch.lerp(
+        ordered[low], ordered[high], torch.tensor(position - low, dtype=x.dtype, device=x.device)
+    )
+
+
 class GRPO(OnlineRL):
     """Group-normalised advantages and the clipped surrogate (+ β·k3 KL), TRL's settings and names."""
 
@@ -232,7 +244,7 @@ class GRPO(OnlineRL):
         sizes = gather_sizes(local.numel(), local.device)
         if sum(sizes) == 0:
             return None
-        threshold = torch.quantile(gather_cat(local, sizes), 1.0 - self.hparams.top_entropy_quantile)
+        threshold = linear_quantile(gather_cat(local, sizes), 1.0 - self.hparams.top_entropy_quantile)
         return mask * (entropy.detach() >= threshold).to(mask.dtype)
 
     def on_policy_update(self) -> None:
