@@ -5,10 +5,13 @@ tests/test_ddp_equivalence.py (``fsdp_export``)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from lightning_vlm.models.families import family_of
 from lightning_vlm.models.tiny import TINY_FAMILIES
 from lightning_vlm.models.vlm import VLM
 from lightning_vlm.parallel.export import write_folder
@@ -20,6 +23,46 @@ def _weights(folder) -> dict[str, torch.Tensor]:
     files = sorted(folder.glob("*.safetensors"))
     assert len(files) == 1, files
     return load_file(files[0])
+
+
+# Families whose tower names are rewritten for vLLM after saving (weight_names.save_for_hf_and_vllm).
+RENAMED = [f for f in TINY_FAMILIES if family_of(f).vllm_vision_model_prefix]
+
+
+@pytest.mark.parametrize("family", [*RENAMED, "qwen2_5_vl"])
+def test_a_model_over_max_shard_size_is_written_in_the_same_shards_both_ways(family, tiny_path, tmp_path):
+    # The vLLM renaming read model.safetensors alone: a model sharded by save_pretrained (transformers'
+    # default is 50GB: Gemma 3 27B in bf16) failed at the end of training with FileNotFoundError, and the
+    # FSDP export wrote one file whatever the size.
+    from transformers import AutoModelForImageTextToText
+
+    vlm = VLM(tiny_path(family))
+    vlm.save_pretrained(tmp_path / "whole", max_shard_size="300KB")
+    write_folder(vlm, tmp_path / "parts", [vlm.model.state_dict()], merge_lora=True, max_shard_size="300KB")
+    index = "model.safetensors.index.json"
+    whole, parts = (json.loads((tmp_path / f / index).read_text()) for f in ("whole", "parts"))
+    assert whole == parts and len(set(whole["weight_map"].values())) > 1
+    for shard in sorted(set(whole["weight_map"].values())):
+        a, b = load_file(tmp_path / "whole" / shard), load_file(tmp_path / "parts" / shard)
+        assert a.keys() == b.keys() == {k for k, v in whole["weight_map"].items() if v == shard}
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+    unsharded = VLM(tiny_path(family)).hf_model.state_dict()
+    reloaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "parts").state_dict()
+    assert reloaded.keys() == unsharded.keys()
+    for name, tensor in unsharded.items():
+        torch.testing.assert_close(reloaded[name], tensor, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("family", RENAMED)
+def test_a_lora_adapter_of_a_renamed_family_saves(family, tiny_path, tmp_path):
+    # save_for_hf_and_vllm renamed model.safetensors after PEFT had written adapter_model.safetensors:
+    # ExportHFModel(merge_lora=false) failed at the end of fit for LLaVA, LLaVA-Next and Gemma 3.
+    vlm = VLM(tiny_path(family), lora={"r": 4, "lora_alpha": 8})
+    vlm.save_pretrained(tmp_path / "whole", merge_lora=False)
+    write_folder(vlm, tmp_path / "parts", [vlm.model.state_dict()], merge_lora=False)
+    whole, parts = load_file(tmp_path / "whole" / "adapter_model.safetensors"), _weights(tmp_path / "parts")
+    assert whole.keys() == parts.keys() and whole
 
 
 @pytest.mark.parametrize(("family", "merge"), CASES, ids=[f"{f}-{m}" for f, m in CASES])

@@ -39,6 +39,8 @@ class ExportHFModel(L.Callback):
     to ``hub_model_id``; ``"dry_run"`` writes the card and lists what would be uploaded (the log and a
     JSON manifest beside the folder, ``<dirpath>.hub_manifest.json``) without touching the network.
     A real push that cannot happen (offline, no token) fails when fit starts, not after training.
+    ``max_shard_size`` (e.g. "5GB"): the weights' shards, as transformers' ``save_pretrained`` (its
+    default when None); a LoRA adapter (``merge_lora=false``) is one file.
     """
 
     def __init__(
@@ -50,6 +52,7 @@ class ExportHFModel(L.Callback):
         private: bool = True,
         commit_message: str = "Upload model trained with lightning-vlm",
         config_path: str | None = None,
+        max_shard_size: int | str | None = None,
     ) -> None:
         if push_to_hub not in (False, True, DRY_RUN):
             raise ValueError(f"push_to_hub must be false, true or {DRY_RUN!r}, got {push_to_hub!r}")
@@ -62,6 +65,7 @@ class ExportHFModel(L.Callback):
         self.private = private
         self.commit_message = commit_message
         self.config_path = Path(config_path) if config_path else None
+        self.max_shard_size = max_shard_size
 
     @property
     def manifest_path(self) -> Path:
@@ -78,11 +82,12 @@ class ExportHFModel(L.Callback):
         root = sharded_root(trainer.strategy.model)
         if root is not None:
             # Under FSDP the weights are gathered unit by unit by every rank (a collective); rank 0 writes.
-            save_sharded(pl_module.vlm, root, self.dirpath, self.merge_lora, writer=trainer.is_global_zero)
+            save_sharded(pl_module.vlm, root, self.dirpath, self.merge_lora, trainer.is_global_zero,
+                         self.max_shard_size)  # fmt: skip
         if not trainer.is_global_zero:
             return
         if root is None:
-            pl_module.vlm.save_pretrained(self.dirpath, merge_lora=self.merge_lora)
+            pl_module.vlm.save_pretrained(self.dirpath, self.merge_lora, self.max_shard_size)
         if not self.push_to_hub:
             return
         self.write_card(trainer, pl_module)

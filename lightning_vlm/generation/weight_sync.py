@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from lightning_vlm.models.weight_names import hf_to_vllm_names
+from lightning_vlm.models.weight_names import WEIGHTS_NAME, hf_to_vllm_names
 from lightning_vlm.parallel.fsdp import clean_name
 
 log = logging.getLogger(__name__)
 _PEFT_PREFIX = "base_model.model."
-WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_FILE = WEIGHTS_NAME
 
 
 def _lora_merged_weights(

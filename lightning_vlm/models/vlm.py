@@ -169,15 +169,18 @@ class VLM(torch.nn.Module):
         )
         return rf"{re.escape(prefix)}\..*\.({'|'.join(map(re.escape, leaves))})"
 
-    def save_pretrained(self, dirpath: str | os.PathLike, merge_lora: bool = True) -> None:
-        """Saves model and processor into one folder that transformers and vLLM load (LoRA merged)."""
+    def save_pretrained(
+        self, dirpath: str | os.PathLike, merge_lora: bool = True, max_shard_size: int | str | None = None
+    ) -> None:
+        """Saves model and processor into one folder that transformers and vLLM load (LoRA merged;
+        weights in shards of at most ``max_shard_size``, transformers' default when None)."""
         from .weight_names import save_for_hf_and_vllm
 
         model = self.model
         if self.is_lora and merge_lora:
             # Merge into a copy: the training model keeps its adapters.
             model = copy.deepcopy(model).merge_and_unload()
-        save_for_hf_and_vllm(model, dirpath)
+        save_for_hf_and_vllm(model, dirpath, max_shard_size)
         self.processor.save_pretrained(dirpath)
 
     # ---- encoding ----------------------------------------------------------------------------------------

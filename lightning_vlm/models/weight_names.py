@@ -10,13 +10,20 @@ need it is the registry's ``vllm_vision_model_prefix`` (``families.py``).
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
 import re
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from .families import family_of
 
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
 _TOWER = re.compile(r"^((?:model\.)?vision_tower\.)(?!vision_model\.)")
 _PEFT_PREFIX = "base_model.model."
 
@@ -41,14 +48,64 @@ def hf_to_vllm_names(
         yield name, tensor
 
 
-def save_for_hf_and_vllm(model: Any, out_dir: str | os.PathLike) -> None:
-    """``save_pretrained`` the model, with weight names that both transformers and vLLM load."""
+def save_for_hf_and_vllm(
+    model: Any, out_dir: str | os.PathLike, max_shard_size: int | str | None = None
+) -> None:
+    """``save_pretrained`` the model, with weight names that both transformers and vLLM load; a PEFT
+    model writes its adapter alone, as PEFT names it.
+
+    ``max_shard_size``: transformers' (its default when None); a model over it is written in shards
+    with an index, each shard renamed in place.
+    """
+    from peft import PeftModel
     from safetensors.torch import load_file, save_file
 
-    model.save_pretrained(out_dir)
+    if isinstance(model, PeftModel):  # adapter_model.safetensors, never sharded
+        model.save_pretrained(out_dir)
+        return
+    model.save_pretrained(out_dir, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
     if not family_of(model.config).vllm_vision_model_prefix:
         return
-    path = os.path.join(os.fspath(out_dir), "model.safetensors")
-    tensors = load_file(path)
-    renamed = dict(hf_to_vllm_names(model.config.model_type, tensors.items()))
-    save_file(renamed, path, metadata={"format": "pt"})
+    out = Path(out_dir)
+    index_path = out / WEIGHTS_INDEX
+    index = json.loads(index_path.read_text()) if index_path.exists() else None
+    weight_map: dict[str, str] = {}
+    for name in sorted(set(index["weight_map"].values())) if index else [WEIGHTS_NAME]:
+        renamed = dict(hf_to_vllm_names(model.config.model_type, load_file(out / name).items()))
+        save_file(renamed, out / name, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(renamed, name)
+    if index:
+        index["weight_map"] = weight_map
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")  # as transformers writes it
+
+
+def write_safetensors(
+    state: dict[str, torch.Tensor], out_dir: str | os.PathLike, max_shard_size: int | str | None = None
+) -> None:
+    """Write a model's weights as ``save_pretrained`` does: ``model.safetensors``, or shards of at most
+    ``max_shard_size`` (transformers' default when None) and their index."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    split = split_torch_state_dict_into_shards(
+        state, filename_pattern=WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors"),
+        max_shard_size=default_max_shard_size() if max_shard_size is None else max_shard_size,
+    )  # fmt: skip
+    for filename, names in split.filename_to_tensors.items():
+        save_file({k: state[k] for k in names}, out / filename, metadata={"format": "pt"})
+    if split.is_sharded:
+        # transformers counts parameters, not buffers; the weights written here are parameters
+        total = sum(t.numel() for t in state.values())
+        index = {
+            "metadata": {"total_parameters": total, **split.metadata},
+            "weight_map": split.tensor_to_filename,
+        }
+        (out / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def default_max_shard_size() -> int | str:
+    """transformers' ``save_pretrained`` default, read from it so both writers shard alike."""
+    from transformers import PreTrainedModel
+
+    return inspect.signature(PreTrainedModel.save_pretrained).parameters["max_shard_size"].default

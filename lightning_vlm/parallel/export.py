@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from lightning_vlm.generation.weight_sync import WEIGHTS_FILE, policy_weights, save_adapter
+from lightning_vlm.generation.weight_sync import policy_weights, save_adapter
+from lightning_vlm.models.weight_names import write_safetensors
 from lightning_vlm.parallel.fsdp import clean_name, unit_state_chunks
 
 
@@ -34,10 +35,14 @@ def tied_copies(model: torch.nn.Module) -> set[str]:
 
 
 def write_folder(
-    vlm: Any, dirpath: str | os.PathLike, chunks: Iterable[dict[str, torch.Tensor]], merge_lora: bool
+    vlm: Any,
+    dirpath: str | os.PathLike,
+    chunks: Iterable[dict[str, torch.Tensor]],
+    merge_lora: bool,
+    max_shard_size: int | str | None = None,
 ) -> None:
     """The folder ``VLM.save_pretrained`` writes, from the model's state in parts (each named as in the
-    unwrapped ``vlm.model.state_dict()``)."""
+    unwrapped ``vlm.model.state_dict()``), sharded alike."""
     dirpath = Path(dirpath)
     dirpath.mkdir(parents=True, exist_ok=True)
     if vlm.is_lora and not merge_lora:
@@ -51,12 +56,10 @@ def write_folder(
         }
         save_adapter(vlm.model, dirpath, lora)
     else:
-        from safetensors.torch import save_file
-
         copies = tied_copies(vlm.model)
         parts = ({k: v for k, v in part.items() if k not in copies} for part in chunks)
         state = {name: t.detach().to("cpu").contiguous() for name, t in policy_weights(vlm, parts)}
-        save_file(state, dirpath / WEIGHTS_FILE, metadata={"format": "pt"})
+        write_safetensors(state, dirpath, max_shard_size)
         vlm.hf_model.config.save_pretrained(dirpath)
         if vlm.hf_model.can_generate() and vlm.hf_model.generation_config is not None:
             vlm.hf_model.generation_config.save_pretrained(dirpath)
@@ -64,14 +67,19 @@ def write_folder(
 
 
 def save_sharded(
-    vlm: Any, root: torch.nn.Module, dirpath: str | os.PathLike, merge_lora: bool, writer: bool
+    vlm: Any,
+    root: torch.nn.Module,
+    dirpath: str | os.PathLike,
+    merge_lora: bool,
+    writer: bool,
+    max_shard_size: int | str | None = None,
 ) -> None:
     """Write ``vlm`` (sharded under the FSDP ``root``) to ``dirpath`` as ``VLM.save_pretrained`` does: the
     full model (LoRA merged), or with ``merge_lora=False`` a LoRA model's adapter alone. A collective:
     every rank calls it; only the ``writer`` writes."""
     chunks = unit_state_chunks(root, vlm.model)
     if writer:
-        write_folder(vlm, dirpath, chunks, merge_lora)
+        write_folder(vlm, dirpath, chunks, merge_lora, max_shard_size)
     else:
         for _ in chunks:  # take part in each unit's gather
             pass
