@@ -24,7 +24,6 @@ from lightning_vlm.parallel.fsdp import clean_name
 
 log = logging.getLogger(__name__)
 _PEFT_PREFIX = "base_model.model."
-WEIGHTS_FILE = WEIGHTS_NAME
 
 
 def _lora_merged_weights(
@@ -163,7 +162,7 @@ def sync_colocated(
     return load_into_engine(llm, weights if in_process else list(weights))
 
 
-def write_weights(weights: Any, dirpath: str | os.PathLike, name: str = WEIGHTS_FILE) -> Path:
+def write_weights(weights: Any, dirpath: str | os.PathLike, name: str = WEIGHTS_NAME) -> Path:
     """Write (name, tensor) pairs as ``dirpath/<name>``, atomically (a reader never sees half a file)."""
     from safetensors.torch import save_file
 
