@@ -348,6 +348,7 @@ class ParityProbe(L.Callback):
     def __init__(self, dirpath: str, every: int = 1, max_new_tokens: int = 8) -> None:
         self.dirpath, self.every, self.max_new_tokens = Path(dirpath), every, max_new_tokens
         self.results: list[dict] = []
+        self.engine: dict = {}  # a colocated engine's executor and the rank and device index it was given
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         # Runs after VLLMGeneration's hook (callbacks run in order): the engine holds this step's weights.
@@ -355,6 +356,11 @@ class ParityProbe(L.Callback):
             return
         from lightning_vlm.generation.hf import HFGenerator
 
+        llm = getattr(pl_module.generator, "llm", None)
+        if llm is not None and not self.engine:
+            worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+            backend = llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend
+            self.engine = {"backend": backend, "rank": worker.rank, "local_rank": worker.local_rank}
         greedy = SamplingSettings(max_new_tokens=self.max_new_tokens, temperature=0.0, do_sample=False)
         engine = pl_module.generator.generate(batch, 1, greedy)
         with full_weights(trainer):
@@ -365,6 +371,7 @@ class ParityProbe(L.Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         self.dirpath.mkdir(parents=True, exist_ok=True)
         (self.dirpath / f"parity-rank{trainer.global_rank}.json").write_text(json.dumps(self.results))
+        (self.dirpath / f"engine-rank{trainer.global_rank}.json").write_text(json.dumps(self.engine))
 
 
 class UnitChunks(L.Callback):

@@ -31,6 +31,11 @@ def test_grpo_under_fsdp_syncs_vllm_unit_by_unit(mode, tiny_path, tmp_path):
         assert [p["step"] for p in probes] == [0, 1, 2, 3]
         for probe in probes:
             assert probe["vllm"] == probe["hf"], (mode, rank, probe["step"])
+        if mode != "server":
+            # vLLM's default in-process executor gave every rank's engine local rank 0 (on GPUs: every
+            # engine on cuda:0); the external launcher gets the rank and the rank's device index.
+            engine = json.loads((folder / f"engine-rank{rank}.json").read_text())
+            assert engine == {"backend": "external_launcher", "rank": rank, "local_rank": rank}, engine
     chunks = json.loads((folder / "chunks.json").read_text())
     assert chunks["same"], "the units gathered one by one must be the full state"
     assert len(chunks["sizes"]) >= 5 and max(chunks["sizes"]) < 0.7 * chunks["total"], chunks

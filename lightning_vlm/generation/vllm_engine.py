@@ -98,12 +98,49 @@ def make_vllm_engine(
         for key, value in _COLOCATED_CPU_ENV.items():
             os.environ.setdefault(key, value)
         kwargs.update(**CPU_ENGINE, dtype=cpu_dtype(dtype, model_path), max_num_batched_tokens=max_model_len)
+    launcher = external_launcher_env(engine.tensor_parallel_size)
+    if launcher:
+        kwargs["distributed_executor_backend"] = "external_launcher"
     kwargs.update(engine.extra)
     kwargs.update({k: v for k, v in overrides.items() if k not in fields})
 
     from vllm import LLM
 
-    return LLM(**kwargs)
+    with _environment(launcher if kwargs.get("distributed_executor_backend") == "external_launcher" else {}):
+        return LLM(**kwargs)
+
+
+def external_launcher_env(tensor_parallel_size: int) -> dict[str, str]:
+    """What vLLM's ``external_launcher`` executor reads, when this process is one rank of several in a
+    torch.distributed world, each with its own engine (TRL's colocate mode does the same): the rank,
+    and as local rank the device this rank trains on. vLLM's default in-process executor takes local
+    rank 0 on every rank, which puts every rank's engine on cuda:0 (and moves the rank's current
+    device there). Empty on one process, and for tensor parallelism (its own worker processes)."""
+    import torch
+    import torch.distributed as dist
+
+    if tensor_parallel_size != 1 or not (dist.is_available() and dist.is_initialized()):
+        return {}
+    if dist.get_world_size() == 1:
+        return {}
+    rank = dist.get_rank()
+    local = torch.cuda.current_device() if has_cuda() else int(os.environ.get("LOCAL_RANK", rank))
+    return {"RANK": str(rank), "LOCAL_RANK": str(local)}
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` for the block, then as before: Lightning reads LOCAL_RANK too."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @contextlib.contextmanager
