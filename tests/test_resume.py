@@ -98,6 +98,25 @@ def test_a_checkpoint_on_the_last_batch_of_an_epoch_does_not_shorten_the_next():
     assert _epoch(resumed) == _epoch(fresh)  # epoch 1 whole, not cut by epoch 0's position
 
 
+def test_a_loaded_position_is_saved_again_before_the_first_batch():
+    # A checkpoint can be written between the restore and the resumed run's first batch (Lightning checks
+    # for SIGTERM at the top of a batch; a resumed validation runs first). It reported sample 0, so the
+    # next resume trained the epoch's start twice and never its end.
+    state = {"epoch": 1, "batches": 3, "samples": 6, "world_size": 1, "batch_size": 2}
+    resumed = ResumableDataLoader(list(range(10)), batch_size=2, seed=0, collate_fn=list)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state
+    again = ResumableDataLoader(list(range(10)), batch_size=2, seed=0, collate_fn=list)
+    again.load_state_dict(resumed.state_dict())
+    fresh = ResumableDataLoader(list(range(10)), batch_size=2, seed=0, collate_fn=list)
+    fresh.sampler.set_epoch(1)
+    assert _epoch(again) == _epoch(fresh)[6:]
+    # a loaded position of a finished epoch says nothing of the next one
+    resumed.load_state_dict({**state, "batches": 5, "samples": 10})
+    resumed.sampler.set_epoch(2)
+    assert resumed.state_dict() == {**state, "epoch": 2, "batches": 0, "samples": 0}
+
+
 def test_a_two_process_position_continues_on_one_process_with_a_warning(caplog):
     ranks = [ResumableDataLoader(list(range(12)), batch_size=2, seed=5, num_replicas=2, rank=r, collate_fn=list)
              for r in (0, 1)]  # fmt: skip

@@ -108,14 +108,20 @@ class ResumableDataLoader(DataLoader):
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
         self._fetched = 0  # batches handed out in this pass over the current epoch
         self._start = 0  # samples (all ranks) of the current epoch consumed before this pass began
+        # A loaded position not yet iterated: state_dict reports it (a checkpoint can be written before
+        # the resumed run's first batch: a SIGTERM at the top of a batch, a stop in a resumed validation).
+        self._loaded = False
         # Set by load_state_dict when the checkpoint's global batch (rows per step, all ranks) differs.
         self.resumed_with_other_batch = False
 
-    def __iter__(self):
+    def _resume_start(self) -> int:
+        """Samples (all ranks) of the current epoch a pending resume skips (0 without one)."""
         sampler: EpochSeededSampler = self.sampler
         resume = sampler._resume
-        self._start = resume[1] if resume is not None and resume[0] == sampler.epoch else 0
-        self._fetched = 0
+        return min(resume[1], sampler.length) if resume is not None and resume[0] == sampler.epoch else 0
+
+    def __iter__(self):
+        self._start, self._fetched, self._loaded = self._resume_start(), 0, False
         for batch in super().__iter__():
             self._fetched += 1
             yield batch
@@ -123,10 +129,11 @@ class ResumableDataLoader(DataLoader):
     def state_dict(self) -> dict[str, int]:
         """Epoch, batches handed out in it (per rank), and samples of its order consumed by all ranks."""
         sampler: EpochSeededSampler = self.sampler
-        consumed = self._start + self._fetched * self.batch_size * sampler.num_replicas
+        start = self._resume_start() if self._loaded else self._start
+        consumed = start + self._fetched * self.batch_size * sampler.num_replicas
         return {
             "epoch": sampler.epoch,
-            "batches": self._start // (self.batch_size * sampler.num_replicas) + self._fetched,
+            "batches": start // (self.batch_size * sampler.num_replicas) + self._fetched,
             "samples": min(consumed, sampler.length),
             "world_size": sampler.num_replicas,
             "batch_size": self.batch_size,
@@ -150,11 +157,10 @@ class ResumableDataLoader(DataLoader):
             )  # fmt: skip
         sampler.epoch = state["epoch"]
         sampler.resume_at(state["epoch"], samples)
+        self._fetched, self._loaded = 0, True
 
     def batches_left(self) -> int:
         """Batches the next pass over the current epoch hands out (all of them without a resume)."""
         sampler: EpochSeededSampler = self.sampler
-        resume = sampler._resume
-        start = min(resume[1], sampler.length) if resume is not None and resume[0] == sampler.epoch else 0
-        per_rank = math.ceil((sampler.length - start) / sampler.num_replicas)
+        per_rank = math.ceil((sampler.length - self._resume_start()) / sampler.num_replicas)
         return math.ceil(per_rank / self.batch_size) if not self.drop_last else per_rank // self.batch_size
