@@ -92,3 +92,19 @@ def test_fit_warns_when_the_weights_do_not_suit_the_label_balance(folder, tmp_pa
     assert "outside the paper's" not in caplog.text
     # write() reuses the folder's data file: the pairs last
     assert UnpairedDataModule(train=write(folder, "jsonl", pairs)).label_counts() == (3, 3)
+
+
+def test_val_fraction_holds_out_whole_pairs(folder):  # noqa: F811
+    # Rows 2i and 2i+1 (one prompt, one image) were held out one by one: 6 of 8 validation prompts were
+    # also trained on.
+    pairs = [{**p, "prompt": [{"role": "user", "content": [{"type": "image"},
+                                                           {"type": "text", "text": f"question {i}{j}?"}]}]}
+             for i, p in enumerate(good_rows("preference")) for j in range(7)]  # fmt: skip
+    dm = UnpairedDataModule(
+        train=write(folder, "jsonl", pairs), shuffle=False, batch_size=8, val_fraction=0.25
+    )
+    dm.setup()
+    train = [_text(r["prompt"]) for r in dm.train_dataset.normalized()]
+    val = [_text(r["prompt"]) for r in dm.val_dataset.normalized()]
+    assert len(val) == 2 * round(0.25 * len(pairs)) and len(train) + len(val) == 2 * len(pairs)
+    assert not set(val) & set(train)

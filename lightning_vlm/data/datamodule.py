@@ -25,7 +25,7 @@ from lightning_vlm.data.rows import RowError
 from lightning_vlm.data.skips import NoRowsError, SkippedRow, collate_rows, require_rows, scan
 from lightning_vlm.data.sources import Source, load_source, plain
 from lightning_vlm.data.templates import RowFormat
-from lightning_vlm.data.unpair import unpair
+from lightning_vlm.data.unpair import UnpairedView, unpair
 from lightning_vlm.data.val_batches import BatchedRows, ShardBatches
 
 logger = logging.getLogger("lightning_vlm.data")
@@ -177,8 +177,7 @@ class VLMDataModule(L.LightningDataModule):
         val_indices: list[int] = []
         val: Source | None = None
         if hp.val_fraction:
-            # A seeded permutation, so the same seed always holds out the same rows.
-            held = set(random.Random(hp.seed).sample(indices, max(1, round(hp.val_fraction * len(indices)))))
+            held = self._held_out(train, indices)
             val, val_indices = train, [i for i in indices if i in held]
             indices = [i for i in indices if i not in held]
             if not indices:
@@ -197,6 +196,22 @@ class VLMDataModule(L.LightningDataModule):
             val_indices = val_indices[: hp.max_val_samples]
         self.train_dataset = self._dataset(train, indices)
         self.val_dataset = self._dataset(val, val_indices) if val is not None and val_indices else None
+
+    def _held_out(self, source: Source, indices: list[int]) -> set[int]:
+        """The rows ``val_fraction`` holds out: a seeded sample (the same seed holds out the same rows) of
+        whole groups of rows (``group_of``), so no validation row shares its group with a training row."""
+        groups: dict[int, list[int]] = {}
+        for i in indices:
+            groups.setdefault(self.group_of(source, i), []).append(i)
+        keys = list(groups)
+        held = random.Random(self.hparams.seed).sample(
+            keys, max(1, round(self.hparams.val_fraction * len(keys)))
+        )
+        return {i for key in held for i in groups[key]}
+
+    def group_of(self, source: Source, index: int) -> int:
+        """The group of rows row ``index`` must stay with when rows are held out: itself."""
+        return index
 
     def _world(self) -> tuple[int, int]:
         """(rank, world size) of the Trainer this DataModule is attached to; (0, 1) without one."""
@@ -283,6 +298,11 @@ class UnpairedDataModule(VLMDataModule):
 
     def load(self, spec: str | dict, split: str, synthetic_split: str) -> Source:
         return unpair(super().load(spec, split, synthetic_split), self.row_format.column_map)
+
+    def group_of(self, source: Source, index: int) -> int:
+        """A pair's two rows (``2i`` and ``2i + 1``: one prompt, one image set) stay together: held out
+        apart, validation would score prompts the model trained on."""
+        return index // 2 if isinstance(source.rows, UnpairedView) else index
 
     def label_counts(self) -> tuple[int, int]:
         """(desirable, undesirable) training rows (a pass over the text; images stay undecoded)."""
