@@ -76,8 +76,20 @@ def test_build_rollouts_cuts_at_end_of_turn_and_flags_off_policy():
         build_rollouts(rows, 2, ids, logps, 9, _Tok(), "test", max_new_tokens=4)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
-def test_lora_weights_are_merged_beside_the_model_under_checkpoint_names(tiny_path, family):
+# Adapters beyond plain linear ones: lora_bias (PEFT trains a bias in lora_B) and an embedding adapter
+# (its factors in lora_embedding_A/B) were left out of the merge: vLLM sampled another policy.
+LORA_KINDS = {"linear": {}, "lora_bias": {"target_modules": ["q_proj", "v_proj"], "lora_bias": True},
+              "embedding": {"target_modules": ["embed_tokens", "q_proj"]}}  # fmt: skip
+CASES = [
+    ("qwen2_5_vl", "linear"),
+    ("gemma3", "linear"),
+    ("qwen2_5_vl", "lora_bias"),
+    ("qwen2_5_vl", "embedding"),
+]
+
+
+@pytest.mark.parametrize(("family", "kind"), CASES)
+def test_lora_weights_are_merged_beside_the_model_under_checkpoint_names(tiny_path, family, kind):
     from safetensors import safe_open
     from transformers.core_model_loading import revert_weight_conversion
 
@@ -87,8 +99,12 @@ def test_lora_weights_are_merged_beside_the_model_under_checkpoint_names(tiny_pa
     def as_saved(model):
         return dict(hf_to_vllm_names(family, revert_weight_conversion(model, model.state_dict()).items()))
 
-    vlm = VLM(tiny_path(family), lora={"r": 4, "lora_alpha": 8, "init_lora_weights": False},
+    vlm = VLM(tiny_path(family), lora={"r": 4, "lora_alpha": 8, "init_lora_weights": False, **LORA_KINDS[kind]},
               freeze_vision_tower=True)  # fmt: skip
+    with torch.no_grad():  # trained adapters: lora_B's bias and the embedding's B start at zero
+        for name, p in vlm.model.named_parameters():
+            if ".lora_" in name:
+                p.normal_(0, 0.5)
     before = {k: v.clone() for k, v in vlm.model.state_dict().items()}
     exported = dict(policy_weights(vlm))
     # The names of the saved checkpoint (what every vLLM model implementation loads).

@@ -47,10 +47,20 @@ def _lora_merged_weights(
         if getattr(module, "lora_magnitude_vector", None):
             raise NotImplementedError(f"DoRA layer {name!r}: weight sync supports plain LoRA only")
         weight = state[key].detach()
+        bias_key = f"{clean_name(name)}.base_layer.bias"
+        bias = state[bias_key].detach() if bias_key in state else None
         if not module.merged and not module.disable_adapters:
-            delta = sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
-            weight = weight + delta if torch.is_tensor(delta) else weight
+            # Linear and conv adapters live in lora_A, embedding ones in lora_embedding_A.
+            adapters = [
+                a for a in module.active_adapters if a in module.lora_A or a in module.lora_embedding_A
+            ]
+            for adapter in adapters:
+                weight = weight + module.get_delta_weight(adapter)
+                if module.lora_bias.get(adapter) and bias is not None:  # PEFT's lora_bias: lora_B has one
+                    bias = bias + module.lora_B[adapter].bias.detach() * module.scaling[adapter]
         merged[key] = weight
+        if bias is not None:
+            merged[bias_key] = bias
     return merged
 
 
