@@ -179,6 +179,16 @@ def test_set_seed_makes_sampling_a_function_of_the_seed_and_leaves_the_callers_r
     assert torch.equal(torch.random.get_rng_state(), state), "the caller's RNG is untouched"
 
 
+def test_generate_leaves_a_lora_models_generation_config_as_it_was(tiny_path):
+    # PEFT's generate copied the blank config hidden from the call onto the wrapped model, which kept it:
+    # after the first rollout a LoRA policy's export wrote a generation_config.json without eos or pad.
+    vlm = VLM(tiny_path("qwen2_5_vl"), lora={"r": 4, "lora_alpha": 8})
+    vlm.hf_model.generation_config.update(temperature=0.123, do_sample=True)
+    before = vlm.hf_model.generation_config.to_dict()
+    HFGenerator(vlm).generate(synthetic_rows("prompt", 2), 2, SamplingSettings(max_new_tokens=3))
+    assert vlm.hf_model.generation_config.to_dict() == before and before["eos_token_id"] is not None
+
+
 def test_sampling_settings_take_their_length_from_the_argument_only():
     settings = SamplingSettings.of({"temperature": 0.5, "top_k": 3}, 12)
     assert (settings.max_new_tokens, settings.temperature, settings.top_k, settings.top_p) == (

@@ -37,12 +37,18 @@ def without_checkpoint_defaults(model: torch.nn.Module) -> Iterator[None]:
     one), and several fields have no neutral value to set instead. Sampling must draw from the
     distribution training computes log-probs of, so the model's defaults are blank for the call.
     """
-    saved = model.generation_config
+    from transformers import GenerationMixin
+
+    # A PEFT model copies its config onto the model it wraps inside generate: every model in the chain
+    # gets its own back (a LoRA policy's export would otherwise write a blank generation_config.json).
+    models = [model, *(m for m in model.modules() if isinstance(m, GenerationMixin) and m is not model)]
+    saved = [m.generation_config for m in models]
     model.generation_config = GenerationConfig()
     try:
         yield
     finally:
-        model.generation_config = saved
+        for m, config in zip(models, saved, strict=True):
+            m.generation_config = config
 
 
 class HFGenerator(OwnWeightsGenerator):
