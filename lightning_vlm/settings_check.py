@@ -91,6 +91,11 @@ def _check_online(method: Any, data: Any) -> None:
             f"method.sampling.temperature must be > 0 for online training (the loss's log-probs divide "
             f"the logits by it, and greedy rollouts of a prompt are identical), got {temperature!r}"
         )
+    if sampling.get("do_sample", True) is not True:
+        raise ValueError(
+            "method.sampling.do_sample must be true for online training: greedy rollouts of a prompt are "
+            f"identical, so every advantage is 0 and nothing is learned; got {sampling.get('do_sample')!r}"
+        )
     top_p = sampling.get("top_p", 1.0)
     if not _number(top_p) or not 0 < top_p <= 1:
         raise ValueError(f"method.sampling.top_p must be in (0, 1] (1: off), got {top_p!r}")

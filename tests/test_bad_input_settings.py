@@ -56,6 +56,8 @@ TRAIN_CASES = [
     (["method.optimizer.lr=-1"], ValueError, r"method\.optimizer\.lr must be >= 0, got -1", NEW),
     # online sampling: failed in the loss's log-probs or inside generate, after the first generation
     (["method=grpo", "method.sampling.temperature=0"], ValueError, r"method\.sampling\.temperature must be > 0", NEW),
+    # greedy through the other switch: every completion of a prompt the same, nothing learned, no error
+    (["method=rloo", "method.sampling.do_sample=false"], ValueError, r"method\.sampling\.do_sample must be true", NEW),
     (["method=grpo", "method.sampling.top_p=0"], ValueError, r"method\.sampling\.top_p must be in \(0, 1\]", NEW),
     (["method=grpo", "method.sampling.top_k=-3"], ValueError, r"method\.sampling\.top_k must be >= 0", NEW),
     (["method=grpo", "method.max_completion_length=0"], ValueError, r"method\.max_completion_length must be > 0", NEW),
@@ -173,6 +175,7 @@ DIRECT_CASES = [
     (lambda vlm, tmp: RewardScorer(["accuracy_reward"], [1.0, 2.0]), ValueError, r"reward_weights: got 2"),
     (lambda vlm, tmp: RewardScorer(["no_such_reward"]), ValueError, r"'no_such_reward' is neither"),
     (lambda vlm, tmp: GRPO(vlm, optimizer=sgd(), num_generations=0), ValueError, r"num_generations must be >= 1"),
+    (lambda vlm, tmp: GRPO(vlm, optimizer=sgd(), sampling={"do_sample": False}), ValueError, r"sampling\.do_sample=true"),
     (lambda vlm, tmp: RLOO(vlm, optimizer=sgd(), num_generations=1), ValueError, r"num_generations >= 2"),
     (lambda vlm, tmp: GRPO(vlm, optimizer=sgd(), num_generations=1), ValueError, r"num_generations must be >= 2"),
     (lambda vlm, tmp: OnlineDPO(vlm, optimizer=sgd(), micro_batch_size=3), ValueError, r"micro_batch_size must be even"),
@@ -188,7 +191,8 @@ DIRECT_CASES = [
 
 
 DIRECT_IDS = ["vlm-missing-folder", "vlm-file", "sft-max_length", "scorer-weights", "scorer-unknown-name",
-              "grpo-num_generations", "rloo-num_generations", "grpo-group-of-one", "online_dpo-odd-micro_batch",
+              "grpo-num_generations", "grpo-greedy", "rloo-num_generations", "grpo-group-of-one",
+              "online_dpo-odd-micro_batch",
               "online_dpo-is-correction",
               "groups-not-dividing", "reward-beyond-float32", "weighted-total-beyond-float32"]  # fmt: skip
 

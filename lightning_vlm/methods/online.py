@@ -106,6 +106,10 @@ class OnlineRL(RootCalls, RolloutSampling):
         # Kept as attributes too: hparams drop what cannot be pickled (a lambda optimizer factory).
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         sampling = SamplingSettings.of(sampling, max_completion_length)
+        if sampling.greedy:  # the configs are checked by settings_check; this is for Python users
+            raise ValueError(
+                "online training samples: set sampling.do_sample=true and sampling.temperature > 0"
+            )
         check_rollout_counts(num_generations, num_iterations, steps_per_generation, micro_batch_size, beta)
         self.is_level, self.is_mode = split_trl_mode(vllm_importance_sampling_mode)
         self.vlm, self.sampling = vlm, sampling
