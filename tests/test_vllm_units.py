@@ -264,6 +264,24 @@ def test_engines_take_the_policys_processor_settings_unless_given_their_own():
     assert "--mm-processor-kwargs" not in EngineOptions().server_args()
 
 
+def test_an_unseeded_run_builds_vllm_engines_with_a_random_seed(tmp_path):
+    # seed=null (an unseeded run) failed to compose with either vLLM generation config: the engine's seed
+    # was an int field, and vLLM takes only ints.
+    from helpers import compose_train
+    from lightning_vlm.generation.engine_options import EngineOptions
+
+    seeds = set()
+    for generation in ("vllm_colocate", "vllm_server"):
+        cfg = compose_train(["method=grpo", f"generation={generation}", "seed=null"], tmp_path)
+        assert cfg.callbacks.vllm_generation.engine.seed is None
+        engine = EngineOptions.build(cfg.callbacks.vllm_generation.engine)
+        args = engine.server_args()
+        assert isinstance(engine.seed, int) and args[args.index("--seed") + 1] == str(engine.seed)
+        seeds.add(engine.seed)
+    assert len(seeds) == 2  # drawn afresh
+    assert EngineOptions(seed=7).seed == 7
+
+
 def test_engine_dicts_are_set_from_the_command_line(tmp_path):
     import json
 

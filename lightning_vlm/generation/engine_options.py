@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,11 +48,13 @@ class EngineOptions:
     # {image:6}` failed; an Any node takes it.
     limit_mm_per_prompt: Any = None
     logprobs_mode: str = "processed_logprobs"
-    seed: int = 0
+    seed: int | None = 0  # None (a run with seed=null): a fresh random seed, as vLLM takes only ints
     mm_processor_kwargs: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.seed is None:
+            self.seed = secrets.randbelow(2**31)
         # Refused here, with the setting's name, rather than deep inside vLLM's engine start.
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
