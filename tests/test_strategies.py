@@ -111,3 +111,20 @@ def test_the_export_refuses_zero3_s_partitioned_weights_before_training(trainer,
     else:  # ZeRO-2 keeps whole weights on every rank; FSDP's export gathers them
         export.setup(fake, None, "fit")
     assert isinstance(export, ExportHFModel)
+
+
+@pytest.mark.parametrize("trainer", ["deepspeed_zero2", "deepspeed_zero3", "fsdp"])
+def test_vllm_generation_refuses_zero3_s_partitioned_weights_before_training(trainer, tmp_path):
+    # Only FSDP's units were gathered for the sync: under ZeRO-3 state_dict() gives empty partitions, and
+    # vLLM failed deep in its weight loader without naming the strategy.
+    from types import SimpleNamespace
+
+    cfg = compose_train([f"trainer={trainer}", "method=grpo", "generation=vllm_colocate"], tmp_path)
+    callback = hydra.utils.instantiate(cfg.callbacks.vllm_generation)
+    fake = SimpleNamespace(strategy=hydra.utils.instantiate(cfg.trainer.strategy))
+    if trainer == "deepspeed_zero3":
+        with pytest.raises(ValueError, match="ZeRO-3 would push partitioned"):
+            callback.setup(fake, None, "fit")
+    else:  # reaches the next check (a module that is no online method), past the strategy's
+        with pytest.raises(TypeError, match="VLLMGeneration needs a module"):
+            callback.setup(fake, None, "fit")

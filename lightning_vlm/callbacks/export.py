@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from lightning_vlm.parallel.export import save_sharded
 from lightning_vlm.parallel.fsdp import sharded_root
+from lightning_vlm.parallel.steps import partitions_weights
 
 log = logging.getLogger(__name__)
 
@@ -143,10 +144,7 @@ class ExportHFModel(L.Callback):
 def check_not_partitioned(strategy: Any) -> None:
     """Refuse DeepSpeed ZeRO-3 before training: its weights are partitioned across ranks, and the export
     would write rank 0's empty placeholders (gathering them is not implemented: FSDP's is)."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    config = strategy.config if isinstance(strategy, DeepSpeedStrategy) else None
-    if config and config.get("zero_optimization", {}).get("stage") == 3:
+    if partitions_weights(strategy):
         raise ValueError(
             "callbacks.export (ExportHFModel) under DeepSpeed ZeRO-3 would save partitioned (empty) weights: "
             "train with trainer=fsdp (the export gathers the shards) or trainer=deepspeed_zero2, or convert "

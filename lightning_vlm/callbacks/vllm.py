@@ -28,6 +28,7 @@ from lightning_vlm.generation.engine_options import EngineOptions
 from lightning_vlm.generation.vllm_server import TRANSFERS, VLLMServerGenerator
 from lightning_vlm.methods.online import OnlineRL
 from lightning_vlm.parallel.fsdp import sharded_root, unit_state_chunks
+from lightning_vlm.parallel.steps import partitions_weights
 
 log = logging.getLogger(__name__)
 MODES = ("colocate", "server")
@@ -92,6 +93,12 @@ class VLLMGeneration(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.generator is not None:
             return
+        if partitions_weights(trainer.strategy):
+            raise ValueError(
+                "callbacks.vllm_generation under DeepSpeed ZeRO-3 would push partitioned (empty) weights into "
+                "vLLM: train with trainer=fsdp (the sync gathers one unit at a time) or "
+                "trainer=deepspeed_zero2, or generate with generation=hf"
+            )
         if not isinstance(pl_module, OnlineRL):
             raise TypeError(
                 f"VLLMGeneration needs a module with `vlm` and a replaceable `generator` (an online "

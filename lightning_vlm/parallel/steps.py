@@ -84,3 +84,10 @@ def engine_clipping(module: L.LightningModule, max_grad_norm: float | None) -> N
     strategy = module.trainer.strategy
     if isinstance(strategy, DeepSpeedStrategy):
         strategy.config["gradient_clipping"] = float(max_grad_norm or 0.0)
+
+
+def partitions_weights(strategy: Any) -> bool:
+    """Whether the strategy is DeepSpeed ZeRO-3: each rank holds a partition of every weight, and a
+    module's ``state_dict()`` gives rank 0 empty placeholders (FSDP's units are gathered instead)."""
+    config = strategy.config if isinstance(strategy, DeepSpeedStrategy) else None
+    return bool(config) and config.get("zero_optimization", {}).get("stage") == 3
