@@ -4,7 +4,8 @@
 
 Scenarios: ``colocate`` (parity, sampling, full and LoRA sync, two families), ``grpo_colocate`` (a few
 GRPO steps through ``generation=vllm_colocate``), ``adapter_sync`` (LoRA-only sync),
-``processor_settings`` (a policy's processor_kwargs reach vLLM) and
+``processor_settings`` (a policy's processor_kwargs reach vLLM), ``bos_tokenizer`` (a tokenizer that
+adds BOS itself) and
 ``transformers_impl`` (model_impl=transformers; last: it patches transformers classes in-process). Each scenario's failure is
 reported, not raised, so the other scenarios still run.
 """
@@ -217,6 +218,30 @@ def processor_settings(paths: dict) -> dict:
         "engine_kwargs": gen.engine.mm_processor_kwargs,
         **_compare(vlm, gen, rows),
     }
+    gen.close()
+    return report
+
+
+def bos_tokenizer(paths: dict) -> dict:
+    """A tokenizer that adds BOS itself (real Gemma 3's; the tiny one does not), behind a chat template
+    that writes it: the trainer encodes the templated text without special tokens, vLLM must too."""
+    import shutil
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from lightning_vlm.generation.vllm_colocate import VLLMColocateGenerator
+    from lightning_vlm.models.vlm import VLM
+
+    folder = Path(tempfile.mkdtemp(prefix="bos-")) / "gemma3"
+    shutil.copytree(paths["gemma3"], folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_bos_token = True
+    tokenizer.save_pretrained(folder)
+    vlm = VLM(str(folder))
+    adds = vlm.tokenizer("x")["input_ids"][0] == vlm.tokenizer.bos_token_id
+    gen = VLLMColocateGenerator(vlm)
+    report = {"tokenizer_adds_bos": adds, **_compare(vlm, gen)}
     gen.close()
     return report
 

@@ -37,6 +37,7 @@ def report(tiny_path, tmp_path_factory) -> dict:
         "grpo_colocate",
         "adapter_sync",
         "processor_settings",
+        "bos_tokenizer",
         "families",
         # Last: model_impl=transformers wraps transformers' classes in vLLM's compile decorators for
         # the rest of the process, so plain transformers models of that family no longer build.
@@ -146,6 +147,14 @@ def test_the_policys_processor_settings_reach_vllm(report):
     r = _section(report, "processor_settings")
     assert r["image_tokens"]["limited"] < r["image_tokens"]["default"]
     assert r["engine_kwargs"] == {"min_pixels": 3136, "max_pixels": 3136}
+    _assert_parity(r)
+
+
+def test_a_tokenizer_that_adds_bos_gets_one_bos_in_vllm_as_in_training(report):
+    # vLLM tokenized the templated prompt (which starts with <bos>) adding special tokens: two BOS for
+    # real Gemma 3, one in training, so vLLM sampled from another prompt than the loss scores.
+    r = _section(report, "bos_tokenizer")
+    assert r["tokenizer_adds_bos"]
     _assert_parity(r)
 
 

@@ -133,9 +133,14 @@ class VLLMColocateGenerator:
             )
             for seed in request_seeds(self.seed, len(rows), num_generations)
         ]
-        # Templated text with one placeholder per image + PIL images: vLLM expands them itself.
+        # Templated text with one placeholder per image + PIL images: vLLM expands them itself. The text
+        # holds the template's special tokens already: tokenized as training does, without adding more
+        # (a tokenizer that adds BOS, real Gemma 3's, would otherwise start the prompt with two).
         requests = [vllm_inputs(vlm.processor, r["prompt"], r.get("images", [])) for r in rows]
-        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._adapter)
+        outputs = self.llm.generate(
+            requests, params, use_tqdm=False, lora_request=self._adapter,
+            tokenization_kwargs={"add_special_tokens": False},
+        )  # fmt: skip
         ids, logprobs = completions_of(outputs)
         return build_rollouts(
             rows, num_generations, ids, logprobs, vlm.end_of_turn_id, vlm.tokenizer, "vllm_colocate",
