@@ -115,8 +115,8 @@ def test_the_export_refuses_zero3_s_partitioned_weights_before_training(trainer,
 
 @pytest.mark.parametrize("trainer", ["deepspeed_zero2", "deepspeed_zero3", "fsdp"])
 def test_vllm_generation_refuses_zero3_s_partitioned_weights_before_training(trainer, tmp_path):
-    # Only FSDP's units were gathered for the sync: under ZeRO-3 state_dict() gives empty partitions, and
-    # vLLM failed deep in its weight loader without naming the strategy.
+    # Only FSDP's units were gathered for the sync: under ZeRO-3 state_dict() gives empty partitions,
+    # which vLLM's weight loader would have met without a word about the strategy.
     from types import SimpleNamespace
 
     cfg = compose_train([f"trainer={trainer}", "method=grpo", "generation=vllm_colocate"], tmp_path)
