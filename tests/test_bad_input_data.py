@@ -291,3 +291,47 @@ def test_train_py_exits_non_zero_naming_the_bad_line(tmp_path):
     )
     assert proc.returncode != 0
     assert f"SourceError: {spec}: line 3, column 15: invalid JSON" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_exif_orientation_is_applied_as_datasets_does(tmp_path):
+    # A phone photo: stored 40x20 with EXIF Orientation=6 ("rotate 90° clockwise to view"), so it is
+    # seen, and decoded by datasets and transformers' load_image, as 20x40.
+    photo = Image.new("RGB", (40, 20), (255, 0, 0))
+    exif = photo.getexif()
+    exif[0x0112] = 6
+    photo.save(tmp_path / "photo.jpg", exif=exif.tobytes())
+    dm = SFTDataModule(train=str(write_rows(tmp_path, [sft_row("photo.jpg")])))
+    dm.setup()
+    assert dm.train_dataset[0]["images"][0].size == (20, 40)
+    answer = {"role": "assistant", "content": [{"type": "text", "text": "red"}]}  # Arrow: one type
+    row = {"messages": [sft_row()["messages"][0], answer], "images": [str(tmp_path / "photo.jpg")]}
+    stored = datasets.Dataset.from_list([row])
+    stored.cast_column("images", datasets.List(datasets.Image())).save_to_disk(str(tmp_path / "saved"))
+    dm = SFTDataModule(train=str(tmp_path / "saved"))
+    dm.setup()
+    assert dm.train_dataset[0]["images"][0].size == (20, 40)
+
+
+def test_a_decompression_bomb_is_a_corrupt_image_naming_its_row(tmp_path, monkeypatch, caplog):
+    # PIL refuses images over 2 * MAX_IMAGE_PIXELS (179 Mpixel) with an error that is not an OSError;
+    # a lowered limit stands in for a huge image.
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    Image.new("RGB", (100, 100)).save(tmp_path / "huge.png")
+    make = broken(lambda r: r.update(images=["huge.png"]))
+    with pytest.raises(RowError, match=r"data.jsonl, row 1, column 'images'.*huge.png.*corrupt_image"):
+        every_batch(SFTDataModule(**make(tmp_path)))
+    dm = SFTDataModule(**make(tmp_path), on_bad_row="skip", shuffle=False)
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm.data"):
+        dm.setup()
+        rows = [row for batch in dm.train_dataloader() for row in batch]
+    assert len(rows) == 2 and dm.skipped == {"corrupt_image": 1}
+    assert "row 1, column 'images'" in caplog.text
+
+
+def test_premultiplied_la_is_composited_like_la():
+    from lightning_vlm.data.images import to_rgb
+
+    check(np.asarray(to_rgb(Image.new("La", (8, 8), (0, 0)))), (255, 255, 255))
+    # premultiplied grey 100 at alpha 128 is grey 199 (PIL's un-premultiply), half over white
+    check(np.asarray(to_rgb(Image.new("La", (8, 8), (100, 128)))), (227, 227, 227))
+    assert to_rgb(Image.new("La", (8, 8), (100, 128))) == to_rgb(Image.new("LA", (8, 8), (199, 128)))

@@ -178,3 +178,20 @@ def test_val_max_new_tokens_follows_the_longest_answer_unless_set(method, settin
     assert logged == ([] if setting is not None else [f"val_max_new_tokens={expected}: the longest of 2 "
                       f"validation answers + {ANSWER_MARGIN} tokens (method.val_max_new_tokens=null; set a "
                       "number to override)"])  # fmt: skip
+
+
+def test_column_map_renames_instead_of_copying(tmp_path):
+    Image.new("RGB", (8, 8), (255, 0, 0)).save(tmp_path / "a.png")
+    rows = [{"question": "Color?", "image": "a.png", "solution": "red"}]
+    dm = PromptDataModule(train=write_jsonl(tmp_path / "q.jsonl", rows), column_map={"question": "prompt"})
+    dm.setup()
+    row = dm.train_dataset[0]
+    assert "question" not in row and row["prompt"][0]["content"] == [IMG, text("Color?")]
+    # a list of images in a column named "image": renamed, not "both 'image' and 'images'"
+    rows = [{"image": ["a.png", "a.png"], "prompt": [{"role": "user", "content": [IMG, IMG, text("Q")]}]}]
+    dm = PromptDataModule(train=write_jsonl(tmp_path / "two.jsonl", rows), column_map={"image": "images"})
+    dm.setup()
+    assert len(dm.train_dataset[0]["images"]) == 2 and "image" not in dm.train_dataset[0]
+    # a swap still reads each column once, under its new name
+    fmt = RowFormat("prompt", column_map={"a": "b", "b": "a"})
+    assert fmt.fill({"a": 1, "b": 2, "c": 3}) == {"a": 2, "b": 1, "c": 3}

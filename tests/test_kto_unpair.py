@@ -108,3 +108,22 @@ def test_val_fraction_holds_out_whole_pairs(folder):  # noqa: F811
     val = [_text(r["prompt"]) for r in dm.val_dataset.normalized()]
     assert len(val) == 2 * round(0.25 * len(pairs)) and len(train) + len(val) == 2 * len(pairs)
     assert not set(val) & set(train)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["stored_none", "absent_key"])
+@pytest.mark.parametrize("missing", ["chosen", "rejected"])
+def test_a_pair_without_an_answer_names_the_column_and_is_skippable(folder, missing, mixed):  # noqa: F811
+    pairs = [{"prompt": f"q{i}", "chosen": "good", "rejected": "bad"} for i in range(3)]
+    del pairs[1][missing]  # datasets fills the absent key with None
+    if mixed:  # a column that changes type: read with Python's json, where the key stays absent
+        pairs[2]["chosen"] = [{"role": "assistant", "content": "good"}]
+    path = write(folder, "jsonl", pairs)
+    dm = UnpairedDataModule(train=path, shuffle=False)
+    with pytest.raises(RowError, match=rf"row 2, column '{missing}'.*pair 1 has no '{missing}'") as info:
+        dm.setup()
+    assert info.value.reason == "missing_column"
+    dm = UnpairedDataModule(train=path, shuffle=False, on_bad_row="skip", batch_size=8)
+    dm.setup()
+    # both rows of the broken pair are skipped: half a pair would tip the label balance
+    assert dm.train_dataset.indices == [0, 1, 4, 5] and dm.skipped == {"missing_column": 2}
+    assert [r["label"] for r in _rows(dm)] == [True, False, True, False]

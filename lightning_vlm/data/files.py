@@ -7,7 +7,8 @@ for an empty file, "An error occurred while generating the dataset" for one bad 
 read: Arrow's JSON reader stores them unchecked). So a JSON file is first checked to be UTF-8 (one
 streamed decode, about a second per GB), and only when that or the load fails do we parse the file
 ourselves to say what is wrong where (file, line, column, byte offset), as a :class:`SourceError`
-raised before training starts.
+raised before training starts. A split spec in datasets' syntax (``train[:80%]``) picks rows of a file
+or a saved Dataset (one split, ``train``) as ``load_dataset`` picks them of a Hub dataset's splits.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import codecs
 import gzip
 import json
 import lzma
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -181,8 +182,8 @@ def load_file(path: Path) -> Any:
             raise
         raise SourceError(f"{path}: not a readable {path.suffix} archive: {type(e).__name__}: {e}") from e
     try:
-        # A local file is one split whatever its name; `split` only selects within Hub datasets and
-        # DatasetDict folders, so a separate validation file just works.
+        # A local file is one split, "train", whatever its name (so a separate validation file just
+        # works); sources picks a split spec's rows of it (one_split, pick_rows).
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as e:  # the loaders raise many types (ArrowInvalid, StopIteration, ...)
         problem = json_problem(path) if builder == "json" else None
@@ -224,3 +225,48 @@ def json_lines(text: str) -> list[str]:
     """The lines of JSON Lines text as Arrow splits them: at "\n" only (JSON strings may hold U+2028,
     U+2029 or U+0085 unescaped, which ``str.splitlines`` would split at), each without its "\r"."""
     return [line.removesuffix("\r") for line in text.split("\n")]
+
+
+def split_names(split: str) -> set[str]:
+    """The splits a split spec reads: ``"train[:80%]+validation"`` -> ``{"train", "validation"}``."""
+    return {part.split("[")[0].strip() for part in split.split("+")}
+
+
+def one_split(split: str, explicit: bool) -> str:
+    """The split spec a one-split source (a file, a saved Dataset: its split is ``train``) is read with.
+
+    ``split`` when it reads ``train`` (``train[:80%]``) or a dict spec gave it (then it must); else
+    ``train``, all of it: the DataModule's split names (``validation`` for a val source) are for sources
+    that have splits, and a separate validation file just works."""
+    return split if explicit or split_names(split) == {"train"} else "train"
+
+
+def pick_rows(split: str, sizes: Mapping[str, int], where: str) -> list[tuple[str, range]]:
+    """The rows ``split`` (datasets' split syntax) reads from splits of these ``sizes``, in order, as
+    (split name, row range) pairs; one it cannot read raises naming ``where`` and the split."""
+    import datasets
+
+    try:
+        instructions = datasets.ReadInstruction.from_spec(split).to_absolute(dict(sizes))
+    except ValueError as e:
+        raise SourceError(
+            f"{where}: split {split!r} cannot be read ({e}); it has the split(s) {list(sizes)} (a single "
+            "file or saved Dataset is one, 'train'): pick rows with datasets' split syntax, e.g. "
+            "'train[:80%]' and 'train[80%:]'"
+        ) from e
+    return [(i.splitname, range(i.from_, i.to)) for i in instructions]
+
+
+def select_rows(splits: Mapping[str, Any], split: str, where: str) -> Any:
+    """The ``datasets.Dataset`` of the rows ``split`` reads from ``splits`` (name -> Dataset)."""
+    import datasets
+
+    if split in splits:
+        return splits[split]
+    parts = [
+        splits[s].select(rows) for s, rows in pick_rows(split, {s: len(d) for s, d in splits.items()}, where)
+    ]
+    try:
+        return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    except ValueError as e:  # splits whose columns differ
+        raise SourceError(f"{where}: the splits of {split!r} cannot be read as one: {e}") from e

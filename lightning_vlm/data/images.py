@@ -1,7 +1,7 @@
 """Decoding a row's images, and the one way every decoded image becomes 8-bit RGB (``to_rgb``).
 
-``open_image``/``load_row`` are where a row's image references (paths, bytes, PIL images) are decoded;
-a missing or corrupt file raises :class:`~lightning_vlm.data.rows.RowError` naming the row. A plain ``image.convert("RGB")`` gets two common kinds of image silently wrong:
+``open_image``/``load_row`` are where a row's image references (paths, bytes, PIL images) are decoded
+(and turned upright by their EXIF orientation); a missing or corrupt file raises :class:`~lightning_vlm.data.rows.RowError` naming the row. A plain ``image.convert("RGB")`` gets two common kinds of image silently wrong:
 
 - **More than 8 bits per pixel** (PIL modes ``I;16*``, ``I``, ``F``: 16-bit PNGs, TIFF scans, depth
   maps) are *clipped* to 0..255, so a 16-bit image comes out almost all white. We scale instead:
@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 from lightning_vlm.data.rows import ImageRef, RowError, normalize_row
 
@@ -86,7 +86,8 @@ def to_rgb(image: Image.Image, background: Sequence[int] = WHITE) -> Image.Image
     if image.mode.startswith("I") or image.mode == "F":
         image = to_8bit_grey(image)  # a colour key of a 16-bit image no longer applies once scaled
     elif has_alpha(image):
-        rgba = image.convert("RGBA")
+        # PIL un-premultiplies "La" only into "LA" (RGBa -> RGBA it converts directly).
+        rgba = (image.convert("LA") if image.mode == "La" else image).convert("RGBA")
         canvas = Image.new("RGBA", rgba.size, (*rgb_background(background, "background"), 255))
         return Image.alpha_composite(canvas, rgba).convert("RGB")
     return image.convert("RGB")
@@ -100,16 +101,23 @@ def open_image(
     background: Sequence[int] = WHITE,
 ) -> Image.Image:
     """Load one image reference as 8-bit RGB (``to_rgb``: high bit depths scaled, transparency
-    composited on ``background``); a missing or corrupt file raises RowError naming the row."""
+    composited on ``background``), turned upright by its EXIF orientation as ``datasets`` and
+    transformers' ``load_image`` do; a missing, corrupt or too large file raises RowError naming the row."""
     try:
         if isinstance(ref, Image.Image):
             return to_rgb(ref, background)
         with Image.open(io.BytesIO(ref) if isinstance(ref, bytes) else ref) as image:
             image.load()  # decode now, so a truncated file fails here and not inside the model
+            # A phone photo is stored sideways with an EXIF tag saying how to turn it; the models are
+            # trained on upright images (datasets' and transformers' decoders apply the tag too).
+            # In place: to_rgb makes the one copy we return.
+            ImageOps.exif_transpose(image, in_place=True)
             return to_rgb(image, background)
     except FileNotFoundError as e:
         raise RowError(source, index, column, "missing_image", f"image file not found: {ref}") from e
-    except (OSError, ValueError, SyntaxError) as e:  # PIL's errors for unreadable files
+    # PIL's errors for unreadable files; DecompressionBombError (an image over 2 * MAX_IMAGE_PIXELS,
+    # 179 Mpixel) subclasses none of them.
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         what = ref if isinstance(ref, str) else "image bytes"
         raise RowError(source, index, column, "corrupt_image", f"cannot decode {what}: {e}") from e
 

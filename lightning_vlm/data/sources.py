@@ -2,8 +2,9 @@
 
 A source spec is a string (``"synthetic"``, a Hub name, a folder, a ``.json``/``.jsonl``/``.parquet``
 file) or a dict ``{"path": ..., "subset": ..., "split": ...}`` (plus, for ``"synthetic"``, the options
-``num_samples``, ``seed``, ``kinds``, ``image_size``). Every source is read lazily, row by row, so
-images stay on disk (or encoded in Arrow) until a batch needs them.
+``num_samples``, ``seed``, ``kinds``, ``image_size``). ``split`` takes datasets' syntax
+(``train[:80%]``) for every kind; a file or a saved Dataset is one split, ``train``. Every source is
+read lazily, row by row, so images stay on disk (or encoded in Arrow) until a batch needs them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ from lightning_vlm.data.files import (
     has_json_feature,
     json_rows_readable,
     load_file,
+    one_split,
+    pick_rows,
     read_json_rows,
+    select_rows,
+    split_names,
 )
 from lightning_vlm.data.synthetic import QUESTIONS, ROW_BUILDERS, build_row, make_sample
 
@@ -140,27 +145,41 @@ def _looks_like_path(spec: str) -> bool:
     return spec.startswith(("/", ".", "~")) or data_suffix(Path(spec)) in FILE_BUILDERS
 
 
-def _from_disk(folder: Path, split: str) -> Source:
+def _from_disk(folder: Path, split: str, explicit: bool) -> Source:
     import datasets
 
     loaded = datasets.load_from_disk(str(folder))
     if isinstance(loaded, datasets.DatasetDict):
-        if split not in loaded:
-            raise SourceError(f"{folder} is a DatasetDict without split {split!r}; it has {list(loaded)}")
-        loaded = loaded[split]
+        missing = sorted(split_names(split) - set(loaded))
+        if missing:
+            raise SourceError(
+                f"{folder} is a DatasetDict without split {', '.join(map(repr, missing))}; it has {list(loaded)}"
+            )
+        splits = dict(loaded)
+    else:
+        splits, split = {"train": loaded}, one_split(split, explicit)
+    loaded = select_rows(splits, split, str(folder))
     if has_json_feature(loaded.features):  # stored as datasets' JSON text: the original strings are gone
         _warn_json_text(f"{folder} [{split}]")
     return Source(DatasetRows(loaded), f"{folder} [{split}]", folder)
 
 
-def _from_file(path: Path) -> Source:
+def _from_file(path: Path, split: str, explicit: bool) -> Source:
     # files.load_file turns the loaders' errors into ones naming the file, line and byte offset.
     dataset = load_file(path)
+    split = one_split(split, explicit)
+    name = str(path) if split == "train" else f"{path} [{split}]"  # row numbers count from the slice
     if has_json_feature(dataset.features):
-        # Mixed-type fields come back from datasets' JSON text with strings such as "4" turned into
-        # numbers (files.read_json_rows): read the rows as written instead (held in memory).
-        return Source(read_json_rows(path), str(path), path.parent)
-    return Source(DatasetRows(dataset), str(path), path.parent)
+        if json_rows_readable(path):
+            # Mixed-type fields come back from datasets' JSON text with strings such as "4" turned into
+            # numbers (files.read_json_rows): read the rows as written instead (held in memory).
+            rows = read_json_rows(path)
+            picked = [
+                rows[i] for _, indices in pick_rows(split, {"train": len(rows)}, str(path)) for i in indices
+            ]
+            return Source(picked, name, path.parent)
+        _warn_json_text(name)  # parquet holding datasets' JSON text: its rows are all there is
+    return Source(DatasetRows(select_rows({"train": dataset}, split, str(path))), name, path.parent)
 
 
 def _load_dataset(name: str, subset: str | None, split: str, folder: bool = False) -> Any:
@@ -196,7 +215,7 @@ def _warn_json_text(name: str) -> None:
     logger.warning(
         "%s: some field changes type between rows, and datasets reads strings that look like JSON "
         "('4', 'true', '[1, 2]') back as numbers, booleans or lists; local .json/.jsonl files, plain or "
-        "gzip/bz2/xz-compressed, are read exactly (a save_to_disk copy of them is not)",
+        "gzip/bz2/xz-compressed, are read exactly (a save_to_disk or parquet copy of them is not)",
         name,
     )
 
@@ -216,7 +235,7 @@ def _from_folder(folder: Path, subset: str | None, split: str) -> Source:
     named = {str(s): [Path(f) for f in files] for s, files in data_files.items()}
     if split == "all":  # as datasets reads it: every split, in order
         split = "+".join(named)
-    wanted = {part.split("[")[0].strip() for part in split.split("+")}
+    wanted = split_names(split)
     named = {s: files for s, files in named.items() if s in wanted}
     if wanted - set(named) or not all(json_rows_readable(f) for files in named.values() for f in files):
         _warn_json_text(name)  # a zip or zstd archive, or a spec we do not follow: datasets' rows, said so
@@ -227,8 +246,11 @@ def _from_folder(folder: Path, subset: str | None, split: str) -> Source:
         logger.warning("%s: could not re-read %s with Python's json (%s)", name, list(named), e)
         _warn_json_text(name)
         return Source(DatasetRows(dataset), name, folder)
-    instructions = datasets.ReadInstruction.from_spec(split).to_absolute({s: len(r) for s, r in read.items()})
-    rows = [row for i in instructions for row in read[i.splitname][i.from_ : i.to]]
+    rows = [
+        read[s][i]
+        for s, indices in pick_rows(split, {s: len(r) for s, r in read.items()}, name)
+        for i in indices
+    ]
     if len(rows) != len(dataset):  # the files are not the ones datasets read: never guess
         raise SourceError(
             f"{name}: datasets read {len(dataset)} rows from {folder}, Python's json {len(rows)}; pass the "
@@ -265,7 +287,8 @@ def load_source(
     unknown = set(spec) - set(SPEC_KEYS)
     if unknown:
         raise SourceError(f"unknown source keys {sorted(unknown)}; expected some of {SPEC_KEYS}")
-    path, split = str(spec["path"]), spec.get("split") or split
+    path, explicit = str(spec["path"]), spec.get("split") is not None
+    split = spec.get("split") or split
     options = {k: v for k, v in spec.items() if k in SYNTHETIC_DEFAULTS}
     if path == "synthetic":
         return synthetic_source(shape, split, **{**SYNTHETIC_DEFAULTS, **(plain(synthetic) or {}), **options})
@@ -274,10 +297,10 @@ def load_source(
     local = Path(path).expanduser()
     if local.is_dir():
         if (local / "dataset_dict.json").exists() or (local / "state.json").exists():
-            return _from_disk(local, split)
+            return _from_disk(local, split, explicit)
         return _from_folder(local, spec.get("subset"), split)
     if local.is_file():
-        return _from_file(local)
+        return _from_file(local, split, explicit)
     if _looks_like_path(path):
         raise SourceError(f"no such file or folder: {local.resolve()}")
     return _from_hub(path, spec.get("subset"), split)

@@ -27,11 +27,24 @@ CONVERSATION: dict[str, str] = {
 }
 
 
+class BadRow(dict):
+    """A raw row that a view over a source already knows is bad (``unpair``: a pair without its chosen
+    or rejected answer): empty, carrying what is wrong. ``RowFormat.fill`` raises it as a RowError, where
+    every row's problems are raised, so it names the row and ``on_bad_row=skip`` skips it."""
+
+    def __init__(self, column: str, reason: str, detail: str) -> None:
+        super().__init__()
+        self.column, self.reason, self.detail = column, reason, detail
+
+
 def rename(row: Mapping, column_map: Mapping[str, str]) -> dict:
-    """The row with user column names mapped to ours (a mapped column wins over one already named so)."""
+    """The row with user column names mapped to ours (a mapped column wins over one already named so).
+
+    A renamed column is gone under its old name: kept, it would pass through to the methods, and
+    ``{image: images}`` would leave a row with both image columns."""
     if not column_map:
         return dict(row)
-    out = {k: v for k, v in row.items() if k not in column_map.values()}
+    out = {k: v for k, v in row.items() if k not in column_map and k not in column_map.values()}
     out.update({column_map.get(k, k): v for k, v in row.items() if k in column_map})
     return out
 
@@ -118,6 +131,8 @@ class RowFormat:
 
     def fill(self, row: Mapping, index: int = 0, source: str = "data") -> dict:
         """The raw row renamed and with its templated conversation column set; other columns unchanged."""
+        if isinstance(row, BadRow):
+            raise RowError(source, index, row.column, row.reason, row.detail)
         out = rename(row, self.column_map)
         if self.prompt_template is None:
             return out

@@ -5,8 +5,10 @@ TRL's KTOTrainer turns a ``chosen``/``rejected`` dataset into unpaired rows befo
 rejected answer with ``label=False``, both with the pair's prompt and images. ``UnpairedView`` does the
 same lazily over any source, so ``method=kto data.train=pairs.jsonl`` trains on a DPO data set as it is.
 Row ``2i`` is pair ``i``'s chosen answer and row ``2i + 1`` its rejected one; the view's name says so,
-so an error about row 7 can be traced to pair 3. The implicit-prompt form (full ``chosen`` and
-``rejected`` conversations, no ``prompt``) is split at their shared first messages, as for DPO.
+so an error about row 7 can be traced to pair 3. A pair without its chosen or rejected answer makes
+both its rows bad rows (named, and skipped under ``on_bad_row=skip``). The implicit-prompt form (full
+``chosen`` and ``rejected`` conversations, no ``prompt``) is split at their shared first messages, as
+for DPO.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 from collections.abc import Mapping, Sequence
 
 from lightning_vlm.data.sources import Source
+from lightning_vlm.data.templates import BadRow
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +28,19 @@ def _column(names: Mapping[str, str], ours: str, row: Mapping) -> str | None:
     if theirs:
         return theirs[0]
     return ours if ours in row and ours not in names else None
+
+
+def _missing(names: Mapping[str, str], ours: str, number: int, pair: Mapping) -> BadRow:
+    """The row a pair without its ``ours`` answer becomes: an error naming the column as the data names
+    it. Both rows of the pair fail (not only the one that reads the answer): half a pair would tip
+    the label balance, and an implicit prompt is found from both answers."""
+    theirs = next((k for k, v in names.items() if v == ours), ours)
+    columns = sorted(k for k, v in pair.items() if v is not None)
+    detail = (
+        f"pair {number} has no {theirs!r} answer (columns: {columns}); KTO reads a preference pair as "
+        "its chosen and its rejected answer, so every pair needs both"
+    )
+    return BadRow(theirs, "missing_column", detail)
 
 
 def is_paired(row: Mapping, column_map: Mapping[str, str]) -> bool:
@@ -47,8 +63,11 @@ class UnpairedView(Sequence):
         if not 0 <= index < len(self):
             raise IndexError(index)
         pair = dict(self.pairs[index // 2])
-        chosen = pair.pop(_column(self.column_map, "chosen", pair))
-        rejected = pair.pop(_column(self.column_map, "rejected", pair))
+        columns = {ours: _column(self.column_map, ours, pair) for ours in ("chosen", "rejected")}
+        for ours, column in columns.items():
+            if column is None or pair[column] is None:  # stored datasets fill absent keys with None
+                return _missing(self.column_map, ours, index // 2, pair)
+        chosen, rejected = (pair.pop(column) for column in columns.values())
         prompt = _column(self.column_map, "prompt", pair)
         if (
             (prompt is None or pair[prompt] is None)

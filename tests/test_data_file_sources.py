@@ -1,0 +1,99 @@
+"""Single data files and ``save_to_disk`` folders: a dict spec's ``split`` picks their rows (datasets'
+split syntax), and a parquet file with JSON-text columns loads as datasets reads it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import datasets
+import pytest
+
+from lightning_vlm.data import PromptDataModule, SFTDataModule, SourceError, sources
+
+
+@pytest.fixture(autouse=True)
+def hf_cache(tmp_path, monkeypatch):
+    """Keep the json/parquet builders' Arrow cache inside the test's folder."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+
+
+def prompts(mixed: bool = False) -> list[dict]:
+    """Ten prompt rows q0..q9; ``mixed``: a solution column that changes type (read with Python's json)."""
+    return [{"prompt": f"q{i}", "solution": i if mixed and i % 2 else f"s{i}"} for i in range(10)]
+
+
+def write(tmp_path, kind: str) -> str:
+    """The ten rows as one source of ``kind``; returns its path."""
+    rows = prompts(mixed=kind == "jsonl_mixed")
+    if kind.startswith("jsonl"):
+        (tmp_path / "all.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        return str(tmp_path / "all.jsonl")
+    dataset = datasets.Dataset.from_list(rows)
+    if kind == "parquet":
+        dataset.to_parquet(str(tmp_path / "all.parquet"))
+        return str(tmp_path / "all.parquet")
+    dataset.save_to_disk(str(tmp_path / "saved"))
+    return str(tmp_path / "saved")
+
+
+def texts(dataset) -> list[str]:
+    return [dataset[i]["prompt"][0]["content"][0]["text"] for i in range(len(dataset))]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "jsonl_mixed", "parquet", "disk"])
+def test_a_split_slice_picks_rows_of_a_single_file_or_saved_dataset(tmp_path, kind):
+    path = write(tmp_path, kind)
+    train, val = {"path": path, "split": "train[:80%]"}, {"path": path, "split": "train[80%:]"}
+    dm = PromptDataModule(train=train, val=val, shuffle=False)
+    dm.setup()
+    assert texts(dm.train_dataset) == [f"q{i}" for i in range(8)]
+    assert texts(dm.val_dataset) == ["q8", "q9"]
+    assert f"{path} [train[80%:]]" in dm.val_dataset.source.name  # its row numbers count from the slice
+    rows = sources.load_source({"path": path, "split": "train[-3:]+train[:1]"}, "prompt").rows
+    assert [row["prompt"] for row in rows] == ["q7", "q8", "q9", "q0"]
+    # the one split is "train": a plain "train", or the DataModule's default split names, read it all
+    dm = PromptDataModule(train=path, val={"path": path, "split": "train"})
+    dm.setup()
+    assert len(dm.train_dataset) == len(dm.val_dataset) == 10
+    assert len(sources.load_source(path, "prompt", "validation").rows) == 10
+
+
+@pytest.mark.parametrize("split", ["validation", "validation[:50%]", "train[:x]"])
+def test_a_split_a_single_file_cannot_honour_is_an_error_naming_it(tmp_path, split):
+    path = write(tmp_path, "jsonl")
+    where = re.escape(f"{path}: split '{split}' cannot be read")
+    with pytest.raises(SourceError, match=rf"{where}.*it has the split\(s\) \['train'\].*train\[:80%\]"):
+        PromptDataModule(train={"path": path, "split": split}).setup()
+
+
+def test_a_split_slice_picks_rows_of_a_saved_dataset_dict(tmp_path):
+    dataset = datasets.Dataset.from_list(prompts())
+    splits = datasets.DatasetDict({"train": dataset, "validation": dataset.select(range(4))})
+    splits.save_to_disk(str(tmp_path / "dict"))
+    rows = sources.load_source(
+        {"path": str(tmp_path / "dict"), "split": "train[:20%]+validation[-1:]"}, "prompt"
+    )
+    assert [row["prompt"] for row in rows.rows] == ["q0", "q1", "q3"]
+    with pytest.raises(SourceError, match="without split 'test'"):
+        sources.load_source({"path": str(tmp_path / "dict"), "split": "test[:10%]"}, "prompt")
+
+
+def test_a_parquet_file_with_json_text_columns_loads_and_says_so(tmp_path, caplog):
+    # datasets' JSON loader stores a field that changes type (a user turn of blocks, an assistant string)
+    # as JSON text; to_parquet keeps that type, and the file is parquet, not JSON text to re-read.
+    rows = [
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": f"q{i}"}]},
+                      {"role": "assistant", "content": answer}]}
+        for i, answer in enumerate(["red", "blue"])
+    ]  # fmt: skip
+    (tmp_path / "mixed.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    stored = datasets.load_dataset("json", data_files=str(tmp_path / "mixed.jsonl"), split="train")
+    stored.to_parquet(str(tmp_path / "mixed.parquet"))
+    dm = SFTDataModule(train=str(tmp_path / "mixed.parquet"), shuffle=False)
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm.data"):
+        dm.setup()
+    answers = [dm.train_dataset[i]["messages"][1]["content"] for i in range(2)]
+    assert answers == [[{"type": "text", "text": "red"}], [{"type": "text", "text": "blue"}]]
+    assert f"{tmp_path / 'mixed.parquet'}: some field changes type" in caplog.text
