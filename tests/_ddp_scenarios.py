@@ -100,8 +100,8 @@ def fsdp_vllm(mode: str, out: Path) -> None:
     overrides = [
         "method=grpo", f"generation={generation}", "logger=none", "callbacks=none", "trainer.max_steps=4",
         "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false", "method.num_generations=4",
-        *TWO_PROCESSES_FSDP, "+callbacks.parity._target_=ddp_helpers.ParityProbe", f"+callbacks.parity.dirpath={folder}",
-        "+callbacks.chunks._target_=ddp_helpers.UnitChunks", f"+callbacks.chunks.dirpath={folder}",
+        *TWO_PROCESSES_FSDP, "+callbacks.parity._target_=ddp_probes.ParityProbe", f"+callbacks.parity.dirpath={folder}",
+        "+callbacks.chunks._target_=ddp_probes.UnitChunks", f"+callbacks.chunks.dirpath={folder}",
     ]  # fmt: skip
     if mode == "adapter":
         overrides += [

@@ -180,7 +180,7 @@ def test_grpo_on_its_own_server_keeps_hf_parity_through_a_crash_and_restart(tmp_
     sync; at step 2 the engine is killed: ``/health`` turns 503, and once the server is restarted the
     run reconnects and pushes the policy again, within the default retry budget (conf/generation)."""
     import hydra
-    from ddp_helpers import ParityProbe
+    from ddp_probes import ParityProbe
 
     from helpers import compose_train
 
