@@ -92,6 +92,28 @@ def test_open_r1_prompt_set_trains_grpo_by_config_only(open_r1, tmp_path):
         assert names == ["accuracy_reward"] and rewards[:, 0].tolist() == [1.0, 0.0], row["solution"]
 
 
+def test_a_mixed_file_whose_first_row_has_no_solution_still_scores_answers(tmp_path):
+    """Python-json rows keep their own keys (a field changes type between rows): the first validation
+    row is a caption with no ``solution``, yet the others' answers are scored and the reward sees them."""
+    (tmp_path / "img").mkdir()
+    Image.new("RGB", (32, 32), (255, 0, 0)).save(tmp_path / "img" / "0.png")
+    val = [{"problem": "Describe it.", "picture": "img/0.png"},
+           {"problem": "How many?", "solution": "2", "picture": "img/0.png"},
+           {"problem": "Where?", "solution": [0.1, 0.2, 0.5, 0.6], "picture": "img/0.png"}]  # fmt: skip
+    train_rows = [dict(val[1], problem=f"How many {i}?") for i in range(2)]
+    cfg = compose_train(
+        ["method=grpo", f"data.train={write_jsonl(tmp_path / 'train.jsonl', train_rows)}",
+         f"data.val={write_jsonl(tmp_path / 'val.jsonl', val)}", 'data.prompt_template="{problem}"',
+         "data.column_map={picture:image}", "tiny_start=random", "logger=none", "callbacks=none",
+         "trainer.enable_progress_bar=false", "trainer.max_steps=1", "data.batch_size=1", "data.val_batch_size=3",
+         "method.num_generations=2", "method.val_num_generations=2"],
+        tmp_path,
+    )  # fmt: skip
+    metrics, out = train(cfg)
+    assert "solution" not in out["datamodule"].val_dataset[0]
+    assert "val/answer_accuracy" in metrics
+
+
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_every_tiny_chat_template_takes_a_system_turn(family, tiny_path):
     processor = AutoProcessor.from_pretrained(tiny_path(family))

@@ -85,3 +85,19 @@ def test_a_task_no_row_has_is_reported_once_with_the_values_seen(caplog):
     assert f"scored none of the {3 * n} completions" in record.message
     assert "no row's 'task' was 'counting'" in record.message
     assert "values seen were 'choice', 'count_cells', 7." in record.message  # 7 is an int, not '7'
+
+
+def test_reward_columns_take_every_rows_keys():
+    """Rows of a mixed JSONL keep their own keys: a column that the first row lacks (``solution`` on a
+    caption row) still reaches the rewards, None where a row lacks it."""
+    from lightning_vlm.generation.base import Rollouts
+    from lightning_vlm.methods.rollout_buffer import reward_columns
+
+    rows = [{"prompt": "p0", "task": "caption"}, {"prompt": "p1", "task": "count", "solution": "two"}]
+    rollouts = Rollouts(rows, [[1], [2], [3], [4]], ["a", "b", "c", "d"], [False] * 4, num_generations=2)
+    columns = reward_columns(rollouts)
+    assert columns["solution"] == [None, None, "two", "two"]
+    assert columns["task"] == ["caption", "caption", "count", "count"]
+    assert columns["prompts"] == ["p0", "p0", "p1", "p1"] and "prompt" not in columns
+    out = TaskReward(count_reward, task="count")(["a", "b", "two", "one"], **columns)
+    assert out == [None, None, 1.0, 0.0]

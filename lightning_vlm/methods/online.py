@@ -315,7 +315,9 @@ class OnlineRL(RootCalls, RolloutSampling):
             sampled = self.generator.generate(rows, hp.val_num_generations, self.sampling)
         # Metrics are updated (possibly with nothing) and logged by every rank on every batch: their
         # sync at epoch end is a collective, which a rank that skipped it would leave hanging.
-        if "solution" in rows[0]:  # a column of the data set, so the same on every rank
+        # Decided over every rank: a rank that logged the metric while another did not would leave the
+        # epoch-end sync hanging; rows of a mixed file may lack ``solution`` (the first one included).
+        if self.trainer.strategy.reduce_boolean_decision(bool(hits), all=False):
             self.val_answer_accuracy.update(torch.tensor(hits, device=self.device))
             self.log("val/answer_accuracy", self.val_answer_accuracy, prog_bar=True, batch_size=len(rows))
         per_function, names = self.score(sampled)

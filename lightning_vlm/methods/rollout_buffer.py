@@ -200,6 +200,9 @@ def reward_columns(rollouts: Rollouts) -> dict[str, list]:
     """What reward functions get besides the completions: every row column, one entry per completion,
     with the chat ``prompts`` and the ``completion_ids``."""
     rows = [rollouts.rows[i] for i in rollouts.prompt_index]
-    columns = {key: [row.get(key) for row in rows] for key in rows[0] if key not in ("prompt",)}
+    # Every row's keys, in first-seen order: rows of a mixed file keep their own keys, so the first row
+    # may lack a column (``solution`` on a caption row) that later rows carry.
+    keys = dict.fromkeys(key for row in rollouts.rows for key in row if key != "prompt")
+    columns = {key: [row.get(key) for row in rows] for key in keys}
     columns.update(prompts=[row["prompt"] for row in rows], completion_ids=rollouts.completion_ids)
     return columns
