@@ -43,3 +43,38 @@ def test_answers_match(completion, solution, expected):
 
 def test_normalize_strips_accents_punctuation_articles():
     assert normalize("  The  Café, a place! ") == "cafe place"
+
+
+@pytest.mark.parametrize(
+    ("completion", "solution", "expected"),
+    [
+        # a one-letter option is not an article to drop: it must not equal an empty answer
+        ("", "A", False),
+        ("<answer></answer>", "A", False),
+        ("the", "A", False),
+        ("a", "A", True),
+        ("B", "A", False),
+        # LaTeX: the last \boxed{} is the answer; \frac and powers of ten are numbers
+        (r"so \boxed{42}", "42", True),
+        (r"<answer>\boxed{\frac{1}{2}}</answer>", "0.5", True),
+        (r"\boxed{1} then \boxed{2}", "2", True),
+        (r"\boxed{\text{red}}", "red", False),  # \text stays text: not stripped silently
+        (r"\dfrac{3}{4}", "3/4", True),
+        (r"1.5 \times 10^{3}", "1500", True),
+        ("1.5 x 10^3", "1500", True),
+        (r"\boxed{4", "4", False),  # an unclosed box: the raw text, not a number
+    ],
+)
+def test_answers_match_letters_and_latex(completion, solution, expected):
+    assert answers_match(completion, solution) is expected
+
+
+def test_latex_numbers_in_numeric_rewards():
+    from lightning_vlm.rewards import numeric_reward
+    from lightning_vlm.rewards.answers import parse_number, parse_numbers
+
+    assert parse_number(r"\frac{1}{2}") == 0.5
+    assert parse_number(r"-\frac{3}{4}") == -0.75
+    assert parse_number(r"\boxed{7}") == 7.0
+    assert parse_numbers(r"2.5 \times 10^{-2}") == [0.025]
+    assert numeric_reward([r"The area is \boxed{\frac{1}{2}}"], solution=["0.5"]) == [1.0]

@@ -267,6 +267,10 @@ def test_numeric_reward_tolerance_edges():
         ("A is correct", "A"),  # a verb follows: the option, not the article
         ("I think A fits best", "A"),
         ("A red circle, so C", "C"),
+        ("(B) A Red Circle", "B"),  # an option's text in Title Case: "A" is still the article
+        ("A Red Circle, so C", "C"),
+        ("A Is correct", "A"),
+        (r"\boxed{C}", "C"),
         ("nothing", None),
         ("Z", None),
     ],

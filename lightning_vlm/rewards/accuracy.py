@@ -15,10 +15,39 @@ _UNSIGNED = r"(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d
 NUMBER = re.compile(rf"(?<![A-Za-z^_])([-+\u2212]?{_UNSIGNED})(?:\s*/\s*({_UNSIGNED}))?")
 
 
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# LaTeX forms of a number (R1-style math answers): \frac{1}{2} (\dfrac, \tfrac) and 1.5 \times 10^{3}.
+_FRAC = re.compile(r"\\[dt]?frac\s*\{\s*([^{}]*?)\s*\}\s*\{\s*([^{}]*?)\s*\}")
+_TIMES_TEN = re.compile(r"(\d)\s*(?:\\times|\\cdot|\u00d7|x|\*)\s*10\s*\^\s*\{?\s*([-+\u2212]?\d+)\s*\}?")
+
+
+def _last_boxed(text: str) -> str | None:
+    """The content of the last closed ``\\boxed{...}`` (braces nested), or None."""
+    starts = list(_BOXED.finditer(text))
+    if not starts:
+        return None
+    depth, start = 1, starts[-1].end()
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start:i]
+    return None  # never closed: a truncated answer names nothing boxed
+
+
 def extract_answer(text: str) -> str:
-    """The final answer of a completion: the last <answer>...</answer> if present, else the text."""
+    """The final answer of a completion: the last <answer>...</answer> if present, else the text; within
+    it, the last ``\\boxed{...}`` if there is one (the math convention, R1 and Qwen-Math style)."""
     tagged = _ANSWER_TAG.findall(text)
-    return tagged[-1] if tagged else text
+    answer = tagged[-1] if tagged else text
+    boxed = _last_boxed(answer)
+    return answer if boxed is None else boxed
+
+
+def latex_numbers(text: str) -> str:
+    """``text`` with LaTeX numbers written plainly: "\\frac{1}{2}" as "1/2", "1.5 \\times 10^{3}" (or
+    "1.5 x 10^3") as "1.5e3", so that :data:`NUMBER` reads them by value."""
+    text = _FRAC.sub(r"\1/\2", text)
+    return _TIMES_TEN.sub(lambda m: f"{m.group(1)}e{m.group(2).replace(chr(0x2212), '-')}", text)
 
 
 def number_value(match: re.Match) -> float | None:
@@ -43,6 +72,7 @@ def normalize(text: str) -> str:
     number is written as its value ("3.50" and "7/2" as 3.5, "1,000" as 1000) and only the text
     between numbers loses its punctuation.
     """
+    text = latex_numbers(text)
     parts, last = [], 0
     for match in NUMBER.finditer(text):
         value = number_value(match)
@@ -51,12 +81,14 @@ def normalize(text: str) -> str:
         parts += [_plain(text[last : match.start()]), f" {value:.15g} "]
         last = match.end()
     parts.append(_plain(text[last:]))
-    words = [w for w in "".join(parts).split() if w not in ("a", "an", "the")]
-    return " ".join(words)
+    words = "".join(parts).split()
+    # Articles go, unless nothing else is left: the answer "A" (an option) must not become "" and so
+    # equal an empty answer.
+    return " ".join([w for w in words if w not in ("a", "an", "the")] or words)
 
 
 def _as_number(text: str) -> float | None:
-    match = NUMBER.fullmatch(text.strip())
+    match = NUMBER.fullmatch(latex_numbers(text).strip())
     return number_value(match) if match else None
 
 
@@ -64,6 +96,8 @@ def answers_match(completion: str, solution: str) -> bool:
     """True when the completion's answer equals the solution (numbers by value, letters as choices)."""
     answer = extract_answer(completion).strip()
     solution = extract_answer(solution).strip()
+    if not normalize(answer):  # nothing (or only punctuation) answers nothing
+        return False
     a_num, s_num = _as_number(answer), _as_number(solution)
     if a_num is not None and s_num is not None:
         return abs(a_num - s_num) <= 1e-6 * max(1.0, abs(s_num))

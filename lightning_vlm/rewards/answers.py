@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from lightning_vlm.rewards.accuracy import NUMBER, extract_answer, number_value
+from lightning_vlm.rewards.accuracy import NUMBER, extract_answer, latex_numbers, number_value
 
 if TYPE_CHECKING:
     from lightning_vlm.rewards.builtin import Completion
@@ -125,7 +125,7 @@ def count_reward(
 
 def parse_numbers(text: str) -> list[float | None]:
     """Every number the answer names, in order (``parse_number``'s forms; None for a fraction over zero)."""
-    return [number_value(m) for m in NUMBER.finditer(extract_answer(text))]
+    return [number_value(m) for m in NUMBER.finditer(latex_numbers(extract_answer(text)))]
 
 
 def parse_number(text: str) -> float | None:
@@ -138,7 +138,7 @@ def parse_number(text: str) -> float | None:
     separators are not. Digits right after a letter or "^" belong to a word or unit ("m2", "cm^2",
     "H2O"): "12 cm^2" names one number, 12.
     """
-    match = NUMBER.search(extract_answer(text))
+    match = NUMBER.search(latex_numbers(extract_answer(text)))
     return None if match is None else number_value(match)
 
 

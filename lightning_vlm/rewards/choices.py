@@ -19,7 +19,9 @@ _WHOLE_CHOICE = re.compile(r"\s*[(\[]?\s*([A-Za-z])\s*[)\]]?\s*[.:]?\s*")
 _PAREN_CHOICE = re.compile(r"[(\[]\s*([A-Za-z])\s*[)\]]")
 _CUE_CHOICE = re.compile(r"\b(?:answer|option|choice)(?:\s+is)?\s*[:=]?\s*[(\[]?\s*([A-Za-z])(?![\w'])", re.I)
 _UPPER_CHOICE = re.compile(r"(?<![\w'])([A-Z])(?![\w'])")
-_ARTICLE_NEXT = re.compile(r"\s+([a-z]+)")
+# The word after a letter: lower case, or Title Case of two letters or more ("A Red Circle": an option's
+# text written in title case still reads "A" as the article).
+_ARTICLE_NEXT = re.compile(r"\s+([a-z]+|[A-Z][a-z]+)")
 # Words after a letter that make it an option, not the article: "A is correct", "I think A fits".
 _OPTION_VERBS = frozenset(
     {"is", "was", "seems", "looks", "fits", "matches", "would", "should", "must", "can"}
@@ -29,9 +31,10 @@ _OPTION_VERBS = frozenset(
 def _is_word(answer: str, letter: str, end: int) -> bool:
     """Whether ``letter`` ending at ``end`` reads as a word, the article "A"/"a" or the pronoun "I": a
     lower-case word follows and it is not a verb ("a cat", "I think" are words; "A is right", "I is
-    right" options). The pronoun matters once the options reach "I" (ten, as in MMLU-Pro)."""
+    right" options; "A Red Circle" is Title Case, so a word). The pronoun matters once the options reach "I"
+    (ten, as in MMLU-Pro)."""
     follow = _ARTICLE_NEXT.match(answer, end)
-    return letter in "AaI" and follow is not None and follow.group(1) not in _OPTION_VERBS
+    return letter in "AaI" and follow is not None and follow.group(1).lower() not in _OPTION_VERBS
 
 
 def _choice_mentions(answer: str) -> set[str]:
