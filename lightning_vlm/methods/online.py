@@ -225,8 +225,7 @@ class OnlineRL(RootCalls, RolloutSampling):
                     metrics["loss"].append(loss.detach())
                     for k, v in stats.items():
                         metrics[k].append(v if k.endswith(EXTREMES) else v * len(index) / len(step.index))
-                clip_gradients(self, opt, hp.max_grad_norm)
-                opt.step()
+                opt.step()  # clips in on_before_optimizer_step
                 if sched is not None:
                     sched.step()
                 self.on_policy_update()
@@ -343,3 +342,8 @@ class OnlineRL(RootCalls, RolloutSampling):
 
     def configure_optimizers(self) -> Any:
         return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Here, not before opt.step(): under fp16 AMP the precision plugin unscales the gradients
+        # between the two, and a clip of scaled gradients shrinks the update by the loss scale.
+        clip_gradients(self, optimizer, self.hparams.max_grad_norm)
