@@ -18,6 +18,7 @@ from typing import Any
 
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from lightning_vlm.parallel.collectives import launcher_rank
@@ -49,6 +50,8 @@ class SweepSummary(Callback):
         self.sweep_dir = Path(str(config.hydra.sweep.dir))
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        if config.hydra.mode != RunMode.MULTIRUN:  # Hydra calls this after a single run too: no sweep
+            return
         self.metric = config.get("optimized_metric")
         self.mode = config.get("monitor_mode", "max")
         failed = job_return.status == JobStatus.FAILED

@@ -107,3 +107,4 @@ def test_train_py_on_a_data_file_without_validation_and_without_a_progress_bar_e
     assert "was not logged (no validation ran)" in output
     assert "Epoch 0:" not in output  # no progress bar
     assert next((tmp_path / "logs" / "sft" / "runs").iterdir()).joinpath("checkpoints", "last.ckpt").is_file()
+    assert not (tmp_path / "logs" / "sft" / "multiruns").exists()  # a single run is no sweep: no summary
