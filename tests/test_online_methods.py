@@ -204,6 +204,18 @@ def test_steps_per_generation_and_iterations_step_the_optimizer_and_report_updat
     assert trainer.callback_metrics["train/ratio/max"] > 1.0
 
 
+def test_max_steps_inside_a_generation_stops_there(tiny_path, rows):
+    """trainer.max_steps counts optimizer steps: 5 with 4 per generation is one generation and one step
+    of the next, not 8 (Lightning checks max_steps only between batches)."""
+    vlm = VLM(tiny_path("qwen2_5_vl"))
+    module = GRPO(vlm, optimizer=sgd(1e-3), reward_funcs=[token_reward_fn], num_generations=4,
+                  steps_per_generation=2, num_iterations=2, max_completion_length=4)  # fmt: skip
+    generator = FixedGenerator(sample_rollouts(vlm, rows, 4, max_new_tokens=4))
+    module.generator = generator
+    trainer = fit_steps(module, rows, steps=5)
+    assert generator.calls == 2 and trainer.global_step == 5
+
+
 def test_ratio_extremes_of_a_generation_do_not_depend_on_micro_batches(tiny_path, rows):
     # ratio/min and ratio/max were weighted means of each micro-batch's extreme: smaller micro-batches
     # hid the off-policy tail they are logged to show.

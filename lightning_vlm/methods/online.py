@@ -210,29 +210,31 @@ class OnlineRL(RootCalls, RolloutSampling):
         )
         opt, sched = self.optimizers(), self.lr_schedulers()
         metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
-        for _ in range(hp.num_iterations):
-            for micro_batches, step_counts in zip(chunks, counts, strict=True):
-                step = Step(torch.cat(micro_batches).to(self.device), step_counts)
-                opt.zero_grad()
-                for j, index in enumerate(micro_batches):
-                    # Gradients are all-reduced once per optimizer step, on its last micro-batch.
-                    sync = j == len(micro_batches) - 1
-                    with contextlib.nullcontext() if sync else no_backward_sync(self):
-                        loss, stats = root_forward(
-                            self, self._micro_batch_loss, batch, index.to(self.device), step
-                        )
-                        self.manual_backward(loss)
-                    metrics["loss"].append(loss.detach())
-                    for k, v in stats.items():
-                        metrics[k].append(v if k.endswith(EXTREMES) else v * len(index) / len(step.index))
-                opt.step()  # clips in on_before_optimizer_step
-                if sched is not None:
-                    sched.step()
-                self.on_policy_update()
-        steps = hp.num_iterations * len(chunks)
+        # trainer.max_steps counts optimizer steps (TRL's too): stop at it, within a generation if need be.
+        steps = [pair for _ in range(hp.num_iterations) for pair in zip(chunks, counts, strict=True)]
+        if self.trainer.max_steps >= 0:
+            steps = steps[: max(self.trainer.max_steps - self.trainer.global_step, 1)]
+        for micro_batches, step_counts in steps:
+            step = Step(torch.cat(micro_batches).to(self.device), step_counts)
+            opt.zero_grad()
+            for j, index in enumerate(micro_batches):
+                # Gradients are all-reduced once per optimizer step, on its last micro-batch.
+                sync = j == len(micro_batches) - 1
+                with contextlib.nullcontext() if sync else no_backward_sync(self):
+                    loss, stats = root_forward(
+                        self, self._micro_batch_loss, batch, index.to(self.device), step
+                    )
+                    self.manual_backward(loss)
+                metrics["loss"].append(loss.detach())
+                for k, v in stats.items():
+                    metrics[k].append(v if k.endswith(EXTREMES) else v * len(index) / len(step.index))
+            opt.step()  # clips in on_before_optimizer_step
+            if sched is not None:
+                sched.step()
+            self.on_policy_update()
         # Loss terms add up over a step's micro-batches; the stats were weighted to a mean per step.
         # Each rank's loss is its share of the step's loss: the mean over ranks is the step's loss.
-        log_synced(self, {f"train/{k}": step_value(k, v, steps) for k, v in metrics.items()}, len(rows))
+        log_synced(self, {f"train/{k}": step_value(k, v, len(steps)) for k, v in metrics.items()}, len(rows))
 
     def _micro_batch_loss(
         self, batch: RolloutBatch, index: torch.Tensor, step: Step
