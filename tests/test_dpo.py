@@ -146,10 +146,13 @@ def test_precomputed_reference_is_reused_and_releases_the_copy(precision, tmp_pa
     stored = cache.get(rows)
     torch.testing.assert_close(stored[0].float(), chosen, atol=1e-4, rtol=0)
     torch.testing.assert_close(stored[1].float(), rejected, atol=1e-4, rtol=0)
-    # The file's key: the start's path and weights, max_length, and the processor's settings
+    # The file's key: the start's path and weights, max_length, the processor's settings, the precision
+    # and the attention kernel (so the two parametrised runs could not share a cache folder's values)
     settings = {
         "max_length": out["cfg"].method.max_length,
         "processor": processor_fingerprint(fresh.processor),
+        "precision": precision,
+        "attention": fresh.model.config._attn_implementation,
     }
     assert cache.key == model_key(fresh.model_name_or_path, weights_fingerprint(fresh.model), **settings)
 

@@ -122,8 +122,12 @@ class DPO(RootCalls, FactoryOptimized):
         if self.ref_cache is None:
             hp = self.hparams
             directory = hp.ref_cache_dir or Path(self.trainer.default_root_dir) / "ref_logps"
+            # Precision (autocast) and the attention kernel change the values too (~1e-3 nats in bf16):
+            # a cache filled under 32-true must not serve a bf16-mixed run.
             key = model_key(self.vlm.model_name_or_path, self._ref_fingerprint, max_length=hp.max_length,
-                            processor=processor_fingerprint(self.vlm.processor))  # fmt: skip
+                            processor=processor_fingerprint(self.vlm.processor),
+                            precision=str(self.trainer.precision),
+                            attention=self.vlm.model.config._attn_implementation)  # fmt: skip
             self.ref_cache = ReferenceLogpCache(directory, key, rank=self.global_rank)
         return self.ref_cache
 
