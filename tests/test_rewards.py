@@ -43,6 +43,12 @@ def test_accuracy_reward_right_wrong_and_missing_solution():
     assert accuracy_reward(["red", "red"], solution=["  ", float("nan")]) == [None, None]
 
 
+def test_accuracy_reward_takes_a_list_of_accepted_answers():
+    # VQA-style solutions: any accepted answer scores (a list was compared as its repr before: always 0)
+    solution = [["two", "2"], ["two", "2"], [], [0.1, 0.2, 0.5, 0.6]]
+    assert accuracy_reward(["2", "three", "2", "0.5"], solution=solution) == [1.0, 0.0, None, 0.0]
+
+
 def test_accuracy_reward_without_solution_column_says_so():
     with pytest.raises(ValueError, match=r"`solution` column.*\['answer', 'prompts'\]"):
         accuracy_reward(["red"], prompts=[PROMPT], answer=["red"])

@@ -106,7 +106,7 @@ def answer_accuracy_rows(rows: list[dict]) -> tuple[list[dict], list[str]]:
 
 
 def greedy_answer_hits(
-    generator: Generator, rows: list[dict], references: Sequence[str | None], max_new_tokens: int
+    generator: Generator, rows: list[dict], references: Sequence[Any], max_new_tokens: int
 ) -> tuple[Rollouts, list[float]]:
     """Greedy answers to ``rows`` (one each), and 1.0 or 0.0 (``answers_match``) for every row whose
     reference is not None, in row order: ``val/answer_accuracy`` of every method (SFT, DPO, online)."""

@@ -310,7 +310,7 @@ class OnlineRL(RootCalls, RolloutSampling):
         hp = self.hparams
         # Fixed seeds per batch, in a forked RNG: the same rollouts before and after training, and the
         # training RNG (hence resume) untouched by validation.
-        references = [None if r.get("solution") is None else str(r["solution"]) for r in rows]
+        references = [r.get("solution") for r in rows]  # a list of strings: accepted answers
         with seeded(self.generator, hp.val_seed + batch_idx, self.device):
             _, hits = greedy_answer_hits(self.generator, rows, references, self.sampling.max_new_tokens)
             sampled = self.generator.generate(rows, hp.val_num_generations, self.sampling)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import string
 import unicodedata
+from typing import Any
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S | re.I)
 _CHOICE = re.compile(r"^\(?([A-Za-z])[\).:]?$")
@@ -92,9 +93,16 @@ def _as_number(text: str) -> float | None:
     return number_value(match) if match else None
 
 
-def answers_match(completion: str, solution: str) -> bool:
-    """True when the completion's answer equals the solution (numbers by value, letters as choices)."""
+def answers_match(completion: str, solution: Any) -> bool:
+    """True when the completion's answer equals the solution (numbers by value, letters as choices).
+
+    A list of strings is a list of accepted answers (VQA's "answers" column): any one matches. Any other
+    solution is compared as its text.
+    """
+    if isinstance(solution, (list, tuple)) and solution and all(isinstance(s, str) for s in solution):
+        return any(answers_match(completion, s) for s in solution)
     answer = extract_answer(completion).strip()
+    solution = solution if isinstance(solution, str) else str(solution)
     solution = extract_answer(solution).strip()
     if not normalize(answer):  # nothing (or only punctuation) answers nothing
         return False

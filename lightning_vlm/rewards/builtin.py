@@ -81,10 +81,10 @@ def accuracy_reward(
         )
     rewards: list[float | None] = []
     for completion, reference in zip(completions, solution, strict=True):
-        if _missing(reference):
+        if _missing(reference) or (isinstance(reference, (list, tuple)) and not reference):
             rewards.append(None)
-        else:
-            rewards.append(1.0 if answers_match(completion_text(completion), str(reference)) else 0.0)
+        else:  # a list of strings: accepted answers, any one matches (answers_match)
+            rewards.append(1.0 if answers_match(completion_text(completion), reference) else 0.0)
     return rewards
 
 
