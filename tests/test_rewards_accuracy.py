@@ -78,3 +78,11 @@ def test_latex_numbers_in_numeric_rewards():
     assert parse_number(r"\boxed{7}") == 7.0
     assert parse_numbers(r"2.5 \times 10^{-2}") == [0.025]
     assert numeric_reward([r"The area is \boxed{\frac{1}{2}}"], solution=["0.5"]) == [1.0]
+
+
+def test_numbers_inside_names_are_not_read():
+    from lightning_vlm.rewards.answers import parse_numbers
+
+    assert parse_numbers("Qwen2.5 counts 3") == [3.0]  # ".5" of the name was read as 0.5
+    assert parse_numbers("v1.2.3") == []
+    assert parse_numbers("It is .5, or 1,000.5") == [0.5, 1000.5]

@@ -12,8 +12,11 @@ _CHOICE = re.compile(r"^\(?([A-Za-z])[\).:]?$")
 _PUNCT = str.maketrans("", "", string.punctuation)
 _UNSIGNED = r"(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?"
 # A number: sign (U+2212 too), comma thousands, decimals, exponent, an optional "/ denominator". Not
-# right after a letter, "^" or "_": a unit's exponent or a name ("m2", "cm^2", "H2O") is no number.
-NUMBER = re.compile(rf"(?<![A-Za-z^_])([-+\u2212]?{_UNSIGNED})(?:\s*/\s*({_UNSIGNED}))?")
+# right after a letter, "^" or "_": a unit's exponent or a name ("m2", "cm^2", "H2O") is no number; nor
+# the rest of one (".5" of "Qwen2.5", ".2" of "v1.2.3": a digit or "." then a digit is inside a name).
+NUMBER = re.compile(
+    rf"(?<![A-Za-z0-9^_])(?<![A-Za-z0-9.]\.)([-+\u2212]?{_UNSIGNED})(?:\s*/\s*({_UNSIGNED}))?"
+)
 
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
