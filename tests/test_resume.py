@@ -88,7 +88,8 @@ def test_a_checkpoint_on_the_last_batch_of_an_epoch_does_not_shorten_the_next():
     loader.sampler.set_epoch(0)
     assert len(_epoch(loader)) == 8
     state = loader.state_dict()
-    assert state == {"epoch": 0, "batches": 2, "samples": 8, "world_size": 1, "batch_size": 4}
+    assert state == {"epoch": 0, "batches": 2, "samples": 8, "world_size": 1, "batch_size": 4, "length": 8,
+                     "seed": 0, "shuffle": True}  # fmt: skip
     resumed = ResumableDataLoader(list(range(8)), batch_size=4, seed=0, collate_fn=list)
     resumed.load_state_dict(state)
     assert _epoch(resumed) == []  # epoch 0 was complete
@@ -102,7 +103,8 @@ def test_a_loaded_position_is_saved_again_before_the_first_batch():
     # A checkpoint can be written between the restore and the resumed run's first batch (Lightning checks
     # for SIGTERM at the top of a batch; a resumed validation runs first). It reported sample 0, so the
     # next resume trained the epoch's start twice and never its end.
-    state = {"epoch": 1, "batches": 3, "samples": 6, "world_size": 1, "batch_size": 2}
+    state = {"epoch": 1, "batches": 3, "samples": 6, "world_size": 1, "batch_size": 2, "length": 10, "seed": 0,
+             "shuffle": True}  # fmt: skip
     resumed = ResumableDataLoader(list(range(10)), batch_size=2, seed=0, collate_fn=list)
     resumed.load_state_dict(state)
     assert resumed.state_dict() == state
@@ -115,6 +117,26 @@ def test_a_loaded_position_is_saved_again_before_the_first_batch():
     resumed.load_state_dict({**state, "batches": 5, "samples": 10})
     resumed.sampler.set_epoch(2)
     assert resumed.state_dict() == {**state, "epoch": 2, "batches": 0, "samples": 0}
+
+
+def test_a_resume_on_edited_data_or_another_seed_warns(caplog):
+    # The saved position counts samples of the checkpoint's order: other rows or another seed make another
+    # order, so the rest of the epoch would repeat some rows and skip others without a word.
+    loader = ResumableDataLoader(list(range(10)), batch_size=2, seed=0, collate_fn=list)
+    next(iter(loader))
+    state = loader.state_dict()
+    for rows, seed, said in ((10, 0, None), (12, 0, "training rows 10 -> 12"), (10, 3, "seed 0 -> 3")):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            ResumableDataLoader(list(range(rows)), batch_size=2, seed=seed, collate_fn=list).load_state_dict(
+                state
+            )
+        warned = [m for m in caplog.messages if "resuming on other data" in m]
+        assert (said in warned[0]) if said else not warned, (said, caplog.messages)
+    with caplog.at_level("WARNING"):  # a checkpoint of an earlier version holds none of them: no warning
+        old = {k: v for k, v in state.items() if k not in ("length", "seed", "shuffle")}
+        ResumableDataLoader(list(range(12)), batch_size=2, collate_fn=list).load_state_dict(old)
+    assert not [m for m in caplog.messages if "resuming on other data" in m and "12" in m]
 
 
 def test_a_two_process_position_continues_on_one_process_with_a_warning(caplog):

@@ -127,7 +127,8 @@ class ResumableDataLoader(DataLoader):
             yield batch
 
     def state_dict(self) -> dict[str, int]:
-        """Epoch, batches handed out in it (per rank), and samples of its order consumed by all ranks."""
+        """Epoch, batches handed out in it (per rank), samples of its order consumed by all ranks, and what
+        the order is made of (rows, seed, shuffle)."""
         sampler: EpochSeededSampler = self.sampler
         start = self._resume_start() if self._loaded else self._start
         consumed = start + self._fetched * self.batch_size * sampler.num_replicas
@@ -137,6 +138,10 @@ class ResumableDataLoader(DataLoader):
             "samples": min(consumed, sampler.length),
             "world_size": sampler.num_replicas,
             "batch_size": self.batch_size,
+            # What the order is made of: a resume on other data or another seed continues another order.
+            "length": sampler.length,
+            "seed": sampler.seed,
+            "shuffle": sampler.shuffle,
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
@@ -154,6 +159,17 @@ class ResumableDataLoader(DataLoader):
                 "the run will not match an uninterrupted one",
                 world, batch * world, sampler.num_replicas, self.batch_size * sampler.num_replicas, samples,
                 state["epoch"],
+            )  # fmt: skip
+        saved = {k: state[k] for k in ("length", "seed", "shuffle") if k in state}  # absent in older files
+        now = {"length": sampler.length, "seed": sampler.seed, "shuffle": sampler.shuffle}
+        changed = {k: (v, now[k]) for k, v in saved.items() if v != now[k]}
+        if changed:
+            names = {"length": "training rows", "seed": "seed", "shuffle": "data.shuffle"}
+            said = ", ".join(f"{names[k]} {old} -> {new}" for k, (old, new) in changed.items())
+            log.warning(
+                "resuming on other data than the checkpoint's (%s): epoch %d continues after sample %d of a "
+                "different order, so some of its rows will be trained twice and others not at all",
+                said, state["epoch"], samples,
             )  # fmt: skip
         sampler.epoch = state["epoch"]
         sampler.resume_at(state["epoch"], samples)
