@@ -280,3 +280,11 @@ def test_scorer_rejects_misaligned_columns_and_bad_specs():
         RewardScorer(["org/some-reward-model"])
     with pytest.raises(ValueError, match="at least one"):
         RewardScorer([])
+
+
+def test_missing_cells_of_every_kind_are_rows_without_a_solution():
+    import numpy as np
+
+    pd = pytest.importorskip("pandas")
+    missing = [np.float32("nan"), np.float64("nan"), pd.NA, pd.NaT, "", None]
+    assert accuracy_reward(["nan"] * len(missing), solution=missing) == [None] * len(missing)

@@ -60,12 +60,16 @@ def completion_text(completion: Completion) -> str:
 
 
 def _missing(value: Any) -> bool:
-    # Datasets with missing cells give None, or NaN when they went through pandas.
-    if value is None:
+    # Datasets with missing cells give None, or NaN (any float type: numpy's float32 is no float) or
+    # pandas' NA / NaT when they went through pandas.
+    if value is None or type(value).__name__ in ("NAType", "NaTType"):
         return True
-    if isinstance(value, float) and math.isnan(value):
-        return True
-    return isinstance(value, str) and not value.strip()
+    if isinstance(value, (str, bytes)):
+        return not value.strip()
+    try:
+        return math.isnan(value)
+    except (TypeError, ValueError):  # lists, dicts, ...: a value
+        return False
 
 
 def accuracy_reward(
