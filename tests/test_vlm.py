@@ -272,3 +272,20 @@ def test_lora_refuses_an_unfrozen_vision_tower_it_would_not_train(tiny_path, tmp
     # lora=default freezes it, also on the tiny models (which train it without LoRA)
     assert compose_train(["lora=default"], tmp_path).model.freeze_vision_tower is True
     assert compose_train([], tmp_path).model.freeze_vision_tower is False
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"]])
+def test_user_lora_targets_leave_a_frozen_vision_tower_frozen(tiny_path, family, targets):
+    # "all-linear" and [q_proj, v_proj] name the tower's layers too: PEFT put trainable adapters there, so
+    # the "frozen" tower trained (in eval mode, its LoRA dropout off).
+    vlm = VLM(tiny_path(family), lora={"r": 4, "target_modules": targets}, freeze_vision_tower=True)
+    assert not [n for n, p in vlm.vision_tower.named_parameters() if p.requires_grad]
+    assert [n for n, p in vlm.language_model.named_parameters() if p.requires_grad]
+
+
+def test_lora_settings_that_train_a_frozen_vision_tower_are_refused(tiny_path):
+    # a user's own exclude_modules replaces the tower's exclusion: adapters in the tower are named, not trained
+    with pytest.raises(ValueError, match="freeze_vision_tower=true, but model.lora makes"):
+        VLM(tiny_path(), lora={"r": 4, "target_modules": "all-linear", "exclude_modules": ["lm_head"]},
+            freeze_vision_tower=True)  # fmt: skip

@@ -81,11 +81,22 @@ class VLM(torch.nn.Module):
             kwargs = dict(lora)
             if kwargs.get("target_modules") is None:
                 kwargs["target_modules"] = self.language_lora_targets(model)
+            elif freeze_vision_tower and kwargs.get("exclude_modules") is None:
+                # The usual targets ("all-linear", [q_proj, v_proj]) name the vision tower's layers too:
+                # a frozen tower must get no trainable adapter.
+                kwargs["exclude_modules"] = self.vision_lora_exclusion(model)
             kwargs.setdefault("task_type", "CAUSAL_LM")
             model = get_peft_model(model, LoraConfig(**kwargs))
-            if not freeze_vision_tower and not any(
-                p.requires_grad for p in self._find(model.get_base_model(), VISION_ATTRS).parameters()
-            ):
+            tower = self._find(model.get_base_model(), VISION_ATTRS)
+            trained = [n for n, p in tower.named_parameters() if p.requires_grad]
+            if freeze_vision_tower and trained:
+                raise ValueError(
+                    f"model.freeze_vision_tower=true, but model.lora makes {len(trained)} vision-tower tensors "
+                    f"trainable ({', '.join(trained[:3])}, ...) through model.lora.modules_to_save or "
+                    "model.lora.exclude_modules. Set model.freeze_vision_tower=false to train the tower, or "
+                    "keep vision modules out of model.lora"
+                )
+            if not freeze_vision_tower and not trained:
                 # PEFT freezes everything but the adapters and modules_to_save: the flag would be ignored.
                 raise ValueError(
                     "model.freeze_vision_tower=false with LoRA: PEFT trains only the adapters and "
@@ -168,6 +179,13 @@ class VLM(torch.nn.Module):
             {n.rsplit(".", 1)[-1] for n, m in language.named_modules() if isinstance(m, torch.nn.Linear)}
         )
         return rf"{re.escape(prefix)}\..*\.({'|'.join(map(re.escape, leaves))})"
+
+    @classmethod
+    def vision_lora_exclusion(cls, model: torch.nn.Module) -> str:
+        """A PEFT ``exclude_modules`` regex matching every module of the vision tower."""
+        tower = cls._find(model, VISION_ATTRS)
+        prefix = next(name for name, module in model.named_modules() if module is tower)
+        return rf"{re.escape(prefix)}(\..*)?"
 
     def save_pretrained(
         self, dirpath: str | os.PathLike, merge_lora: bool = True, max_shard_size: int | str | None = None
