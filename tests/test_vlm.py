@@ -289,3 +289,19 @@ def test_lora_settings_that_train_a_frozen_vision_tower_are_refused(tiny_path):
     with pytest.raises(ValueError, match="freeze_vision_tower=true, but model.lora makes"):
         VLM(tiny_path(), lora={"r": 4, "target_modules": "all-linear", "exclude_modules": ["lm_head"]},
             freeze_vision_tower=True)  # fmt: skip
+
+
+def test_inputs_that_would_score_other_tokens_are_refused(vlms):
+    vlm = vlms("qwen2_5_vl")
+    rows = synthetic_rows("prompt", 2, seed=1)
+    eot = vlm.end_of_turn_id
+    # generate's padded output without a mask: the padding after the end of turn was scored
+    with pytest.raises(ValueError, match="need completion_mask"):
+        vlm.encode_prompt_completion(rows, torch.tensor([[40, 41, eot], [42, eot, vlm.pad_token_id]]))
+    inputs = vlm.encode_prompt_completion(rows, [[40, 41, eot], [42, eot]])
+    completion_only = inputs["completion_mask"][:, -3:].bool()  # TRL's [B, T] completion mask
+    with pytest.raises(ValueError, match=r"target_mask has shape \(2, 3\) but input_ids"):
+        vlm.token_logps(inputs, completion_only)
+    labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
+    with pytest.raises(ValueError, match="not labels"):
+        vlm.token_logps(inputs, labels)

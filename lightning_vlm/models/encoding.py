@@ -181,6 +181,8 @@ def encode_prompt_completion(
 ) -> dict:
     """Left-padded prompt + right-padded completion, with ``completion_mask`` over the full length.
 
+    ``completion_ids`` are lists of ids (padded here), or a padded tensor with its ``completion_mask``.
+
     Token type ids are extended with zeros for the completion, in the same concatenation as
     ``input_ids``, so they cannot drift apart (TRL #5785). Image extras are carried unchanged.
     """
@@ -188,7 +190,12 @@ def encode_prompt_completion(
         completion_ids, ragged_mask = pad_completions(completion_ids, pad_token_id)
         completion_mask = ragged_mask if completion_mask is None else completion_mask
     if completion_mask is None:
-        completion_mask = torch.ones_like(completion_ids)
+        # A padded tensor (generate's output) says nothing of where each completion ends: the padding after
+        # its end of turn would be scored as completion tokens.
+        raise ValueError(
+            "completion_ids given as a padded tensor need completion_mask (1 up to and including each "
+            "completion's end of turn); or pass the completions as lists of token ids"
+        )
     prompt_ids = prompt_inputs["input_ids"]
     if prompt_ids.shape[0] != completion_ids.shape[0]:
         raise ValueError(

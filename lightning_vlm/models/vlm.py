@@ -285,6 +285,16 @@ class VLM(torch.nn.Module):
     def _token_logps(
         self, model, inputs, target_mask, temperature, return_entropy, mask_suppressed, chunk_size
     ):
+        ids = inputs["input_ids"]
+        # Checked before the forward: a completion-only [B, T] mask or a labels tensor (-100 is True) would
+        # otherwise score other tokens without an error.
+        if target_mask.shape != ids.shape:
+            raise ValueError(f"target_mask has shape {tuple(target_mask.shape)} but input_ids {tuple(ids.shape)}: "
+                             "it marks the scored tokens of input_ids, position for position")  # fmt: skip
+        if target_mask.dtype != torch.bool and not bool(((target_mask == 0) | (target_mask == 1)).all()):
+            raise ValueError(
+                "target_mask holds values other than 0 and 1: pass a mask, not labels (-100 ...)"
+            )
         hidden = self.hidden_states(inputs, model)
         batch_idx, token_idx = scored_positions(target_mask.to(hidden.device))
         targets = inputs["input_ids"][batch_idx, token_idx]
