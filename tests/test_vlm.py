@@ -305,3 +305,30 @@ def test_inputs_that_would_score_other_tokens_are_refused(vlms):
     labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
     with pytest.raises(ValueError, match="not labels"):
         vlm.token_logps(inputs, labels)
+
+
+def test_llava_with_a_siglip_tower_counts_its_image_tokens(tiny_path, tmp_path):
+    # A SigLIP tower has no CLS token (llava-interleave, strategy "full"): 16 tokens an image here, where
+    # the count assumed CLIP's extra token and refused the processor's valid batch (17 expected).
+    import json
+    import shutil
+
+    folder = tmp_path / "llava_siglip"
+    shutil.copytree(tiny_path("llava"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    vision = config["vision_config"]
+    config["vision_config"] = {"model_type": "siglip_vision_model", "image_size": 56, "patch_size": 14,
+                               **{k: vision[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                         "num_attention_heads")}}  # fmt: skip
+    config["vision_feature_select_strategy"] = "full"
+    (folder / "config.json").write_text(json.dumps(config))
+    processor = json.loads((folder / "processor_config.json").read_text())
+    processor.update(num_additional_image_tokens=0, vision_feature_select_strategy="full")
+    (folder / "processor_config.json").write_text(json.dumps(processor))
+    vlm = VLM(str(folder), model_kwargs={"ignore_mismatched_sizes": True})
+    inputs = vlm.encode_sft(sft_rows())
+    assert (inputs["input_ids"] == vlm.config.image_token_id).sum(1).tolist() == [16, 16, 32]
+    mask = inputs["labels"] != -100
+    with torch.no_grad():
+        logps, _ = vlm.token_logps(inputs, mask)
+        torch.testing.assert_close(logps, naive(vlm, inputs, mask, 1.0)[0], atol=1e-5, rtol=0)

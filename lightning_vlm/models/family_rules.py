@@ -56,11 +56,21 @@ def gemma4_tokens(inputs: dict, config) -> list[int]:
     return (real // config.vision_config.pooling_kernel_size**2).tolist()
 
 
+# Vision towers whose output has no CLS token before the patches (llava-interleave, LLaVA-OneVision-style).
+_NO_CLS_TOWERS = frozenset({"siglip_vision_model", "siglip2_vision_model"})
+
+
+def _llava_extra_tokens(config) -> int:
+    """Tokens per image besides the patches: the tower's CLS token (CLIP has one, SigLIP none), less the
+    first output token that the ``default`` strategy drops (transformers slices ``[:, 1:]``)."""
+    cls = 0 if config.vision_config.model_type in _NO_CLS_TOWERS else 1
+    return cls - (1 if config.vision_feature_select_strategy == "default" else 0)
+
+
 def llava_tokens(inputs: dict, config) -> list[int]:
-    """LLaVA: one token per patch, plus the CLS token unless the ``default`` strategy drops it."""
+    """LLaVA: one token per patch, plus the tower's CLS token unless the ``default`` strategy drops it."""
     side = inputs["pixel_values"].shape[-1] // config.vision_config.patch_size
-    extra = 0 if config.vision_feature_select_strategy == "default" else 1
-    return [side * side + extra] * inputs["pixel_values"].shape[0]
+    return [side * side + _llava_extra_tokens(config)] * inputs["pixel_values"].shape[0]
 
 
 def llava_next_tokens(inputs: dict, config) -> list[int]:
@@ -71,7 +81,7 @@ def llava_next_tokens(inputs: dict, config) -> list[int]:
 def _llava_next_image(image_size: list[int], config) -> int:
     vision = config.vision_config
     side = vision.image_size // vision.patch_size
-    base = side * side + (0 if config.vision_feature_select_strategy == "default" else 1)
+    base = side * side + _llava_extra_tokens(config)
     tiles = image_size_to_num_patches(image_size, config.image_grid_pinpoints, vision.image_size)
     if tiles <= 1:
         return base + 1
