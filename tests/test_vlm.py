@@ -332,3 +332,24 @@ def test_llava_with_a_siglip_tower_counts_its_image_tokens(tiny_path, tmp_path):
     with torch.no_grad():
         logps, _ = vlm.token_logps(inputs, mask)
         torch.testing.assert_close(logps, naive(vlm, inputs, mask, 1.0)[0], atol=1e-5, rtol=0)
+
+
+def test_an_audio_tower_no_method_feeds_is_frozen(tiny_path, tmp_path):
+    # Gemma 4 E2B/E4B carry an audio tower: trainable, it got no gradient (DDP without
+    # find_unused_parameters refuses that), and "all-linear" LoRA put adapters in it.
+    import json
+    import shutil
+
+    folder = tmp_path / "gemma4_audio"
+    shutil.copytree(tiny_path("gemma4"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["audio_config"] = {"model_type": "gemma4_audio", "hidden_size": 32, "num_hidden_layers": 1,
+                              "num_attention_heads": 2, "subsampling_conv_channels": [8, 4], "output_proj_dims": 32}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    for lora in (None, {"r": 4, "target_modules": "all-linear"}):
+        vlm = VLM(str(folder), lora=lora, freeze_vision_tower=False)
+        audio = [n for n, _ in vlm.hf_model.named_parameters() if "audio" in n]
+        assert audio and not [
+            n for n, p in vlm.hf_model.named_parameters() if "audio" in n and p.requires_grad
+        ]
+    assert any(p.requires_grad for p in vlm.vision_tower.parameters())  # the tower itself still trains

@@ -23,6 +23,9 @@ from .vision_cache import IMAGE_GROUPS_KEY, shared_hidden_states
 PRIVATE_KEYS = (NUM_IMAGES_KEY, "labels", "completion_mask", IMAGE_GROUPS_KEY)
 VISION_ATTRS = ("visual", "vision_tower", "vision_model")
 LANGUAGE_ATTRS = ("language_model", "text_model")
+# Encoders no method feeds (Gemma 4 E2B/E4B's audio tower): always frozen, or they would be trainable
+# weights without a gradient, which DDP without find_unused_parameters refuses.
+UNFED_ATTRS = ("audio_tower", "embed_audio")
 
 
 def _dtype(name: str):
@@ -68,9 +71,8 @@ class VLM(torch.nn.Module):
         self.family = family_of(model.config)
         if self.family.input_modalities is not None:
             model.input_modalities = self.family.input_modalities
-        if freeze_vision_tower:
-            for p in self._find(model, VISION_ATTRS).parameters():
-                p.requires_grad_(False)
+        for module in self.frozen_modules(model, freeze_vision_tower):
+            module.requires_grad_(False)
         if gradient_checkpointing:
             # Non-reentrant: works with frozen embeddings and LoRA without enable_input_require_grads.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -81,10 +83,10 @@ class VLM(torch.nn.Module):
             kwargs = dict(lora)
             if kwargs.get("target_modules") is None:
                 kwargs["target_modules"] = self.language_lora_targets(model)
-            elif freeze_vision_tower and kwargs.get("exclude_modules") is None:
+            elif kwargs.get("exclude_modules") is None and self.frozen_modules(model, freeze_vision_tower):
                 # The usual targets ("all-linear", [q_proj, v_proj]) name the vision tower's layers too:
-                # a frozen tower must get no trainable adapter.
-                kwargs["exclude_modules"] = self.vision_lora_exclusion(model)
+                # a frozen tower (or an unfed encoder) must get no trainable adapter.
+                kwargs["exclude_modules"] = self.lora_exclusion(model, freeze_vision_tower)
             kwargs.setdefault("task_type", "CAUSAL_LM")
             model = get_peft_model(model, LoraConfig(**kwargs))
             tower = self._find(model.get_base_model(), VISION_ATTRS)
@@ -181,11 +183,17 @@ class VLM(torch.nn.Module):
         return rf"{re.escape(prefix)}\..*\.({'|'.join(map(re.escape, leaves))})"
 
     @classmethod
-    def vision_lora_exclusion(cls, model: torch.nn.Module) -> str:
-        """A PEFT ``exclude_modules`` regex matching every module of the vision tower."""
-        tower = cls._find(model, VISION_ATTRS)
-        prefix = next(name for name, module in model.named_modules() if module is tower)
-        return rf"{re.escape(prefix)}(\..*)?"
+    def frozen_modules(cls, model: torch.nn.Module, freeze_vision_tower: bool) -> list[torch.nn.Module]:
+        """The modules kept frozen: the vision tower when ``freeze_vision_tower``, and unfed encoders."""
+        unfed = [getattr(model.model, a) for a in UNFED_ATTRS if getattr(model.model, a, None) is not None]
+        return [cls._find(model, VISION_ATTRS)] * freeze_vision_tower + unfed
+
+    @classmethod
+    def lora_exclusion(cls, model: torch.nn.Module, freeze_vision_tower: bool) -> str:
+        """A PEFT ``exclude_modules`` regex matching every module of the frozen ones (``frozen_modules``)."""
+        frozen = {id(m) for m in cls.frozen_modules(model, freeze_vision_tower)}
+        prefixes = [re.escape(name) for name, module in model.named_modules() if id(module) in frozen]
+        return rf"({'|'.join(prefixes)})(\..*)?"
 
     def save_pretrained(
         self, dirpath: str | os.PathLike, merge_lora: bool = True, max_shard_size: int | str | None = None
