@@ -9,6 +9,8 @@ from typing import Literal
 
 import torch
 
+from lightning_vlm.losses.normalizers import MAX_LOG_RATIO, capped_exp
+
 # Where an importance ratio lives: per token (PPO/GRPO) or per sequence (GSPO); policy.py uses it too.
 Level = Literal["token", "sequence"]
 
@@ -24,15 +26,19 @@ def kl_correction_ratio(
     s_i·∇kl_t + kl_t·∇s_i with ∇s_i = s_i·(1/|y_i|) Σ_t ∇logp_it.
     """
     if level == "token":
-        return torch.exp(logps - old_logps)
+        return capped_exp(logps - old_logps)
     m = mask.to(logps.dtype)
-    return torch.exp(((logps - old_logps) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0))
+    return capped_exp(
+        ((logps - old_logps) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+    )
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(π‖π_ref) per token: exp(ref - logp) - (ref - logp) - 1 ≥ 0.
 
-    Unbiased under samples from π, always non-negative, zero iff logp == ref (GRPO eq. 4).
+    Unbiased under samples from π, always non-negative, zero iff logp == ref (GRPO eq. 4). ref - logp is
+    capped at ``MAX_LOG_RATIO`` (a token the policy gives e^-90 less than the reference overflowed to
+    inf, in the loss and its gradient); past the cap the gradient is 0.
     """
-    delta = ref_logps - logps
+    delta = torch.clamp(ref_logps - logps, max=MAX_LOG_RATIO)
     return torch.exp(delta) - delta - 1.0

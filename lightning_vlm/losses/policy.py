@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 
 from lightning_vlm.losses.kl import Level, k3_kl, kl_correction_ratio
+from lightning_vlm.losses.normalizers import capped_exp, divisor
 from lightning_vlm.losses.policy_variants import (
     VESPO_DEFAULT,
     VespoShape,
@@ -119,7 +120,7 @@ def clipped_surrogate(
     """
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
-    ratio = torch.exp(importance_ratio(logps, old_logps, mask, level))
+    ratio = capped_exp(importance_ratio(logps, old_logps, mask, level))
     unclipped = (ratio if delta is None else torch.clamp(ratio, max=delta)) * adv
     clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + eps_high) * adv
     per_token = -torch.min(unclipped, clipped)
@@ -166,18 +167,19 @@ def aggregate(
     num_seqs = per_token.shape[0] if num_sequences_in_batch is None else num_sequences_in_batch
     if loss_type == "luspo":
         # LUSPO (arXiv 2602.05261): each sequence's loss times its length, Σ_i Σ_t l·m / N, which undoes
-        # GSPO's length normalisation (TRL after PR #6654: the mask applied per token).
-        return (per_token * m).sum() / num_seqs
+        # GSPO's length normalisation. TRL (2026-07) computes (l · |y_i|).mean() over B×T instead, which
+        # weighs each token's KL by |y_i|/T: the same with beta = 0, deliberately not followed with a KL.
+        return (per_token * m).sum() / divisor(num_seqs, per_token)
     loss_type = AGGREGATION.get(loss_type, loss_type)
     masked = per_token * m
     if loss_type == "grpo":
-        return (masked.sum(-1) / m.sum(-1).clamp(min=1.0)).sum() / num_seqs
+        return (masked.sum(-1) / m.sum(-1).clamp(min=1.0)).sum() / divisor(num_seqs, per_token)
     if loss_type == "bnpo":
         return masked.sum() / m.sum().clamp(min=1.0)
     if loss_type == "dr_grpo":
         length = per_token.shape[-1] if max_completion_length is None else max_completion_length
-        return masked.sum() / (num_seqs * length)
-    tokens = m.sum().clamp(min=1.0) if num_items_in_batch is None else num_items_in_batch
+        return masked.sum() / divisor(num_seqs * length, per_token)
+    tokens = m.sum().clamp(min=1.0) if num_items_in_batch is None else divisor(num_items_in_batch, per_token)
     return masked.sum() / tokens
 
 
@@ -265,7 +267,9 @@ def policy_loss(
     if entropy is not None:
         metrics["policy_loss"] = loss.detach()
         trained = mask.to(entropy.dtype) * (1.0 if entropy_mask is None else entropy_mask.detach())
-        tokens = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        tokens = (
+            mask.sum().clamp(min=1) if num_items_in_batch is None else divisor(num_items_in_batch, entropy)
+        )
         loss = loss - entropy_coef * (entropy * trained).sum() / tokens
     return loss, metrics
 
@@ -284,7 +288,7 @@ def _variant_per_token(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token loss of cispo, sapo or vespo, with TRL's metric names."""
     log_ratio = importance_ratio(logps, old_logps, mask, level)
-    ratio = torch.exp(log_ratio)
+    ratio = capped_exp(log_ratio)
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     if loss_type == "cispo":
         if epsilon_high is None:

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_vlm.losses.normalizers import divisor
+
 LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "hinge", "bco_pair", "robust", "sft")
 # How the `sft` term averages: per pair, then over pairs (ours), or over all chosen tokens (TRL's).
 SFT_NORMALIZATIONS: tuple[str, ...] = ("per_example", "token_mean")
@@ -124,7 +126,7 @@ def sft_nll_loss(
     lengths = chosen_lengths.to(policy_chosen_logps.dtype)
     if normalization == "per_example":
         return -policy_chosen_logps / lengths.clamp(min=1.0)
-    tokens = lengths.sum().clamp(min=1.0) if num_tokens is None else num_tokens
+    tokens = lengths.sum().clamp(min=1.0) if num_tokens is None else divisor(num_tokens, lengths)
     return -policy_chosen_logps * policy_chosen_logps.shape[0] / tokens
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-MAX_LOG_RATIO = 20.0
+from lightning_vlm.losses.normalizers import capped_exp
 
 
 def sequence_log_ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -35,10 +35,8 @@ def rloo_loss(
     if old_logps is None:
         old_logps = logps.detach()
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
-    # A summed log-ratio passes exp's float32 range (~88) on long off-policy answers: the ratio became inf
-    # and inf * 0 (a zero advantage: a tied group, a masked sequence) NaN. Capped at e^20, far past any
-    # clip range, as VESPO's authors cap theirs (losses/policy_variants.py); beyond it the step is 0.
-    ratio = torch.exp(torch.clamp(sequence_log_ratio(logps, old_logps, mask), max=MAX_LOG_RATIO))
+    # A summed log-ratio passes exp's float32 range (~88) on long off-policy answers (capped_exp says why).
+    ratio = capped_exp(sequence_log_ratio(logps, old_logps, mask))
     clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + eps_high)
     per_sequence = -torch.min(ratio * advantages, clipped * advantages)
     n = per_sequence.shape[0] if num_sequences_in_batch is None else num_sequences_in_batch

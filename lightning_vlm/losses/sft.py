@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from lightning_vlm.losses.normalizers import divisor
+
 
 def sft_loss(
     token_logps: torch.Tensor, mask: torch.Tensor, num_items_in_batch: torch.Tensor | float | None = None
@@ -17,9 +19,8 @@ def sft_loss(
     weights. A count of all ranks below 1 per rank (1 token on 2 ranks: 0.5) is kept as it is.
     """
     mask = mask.to(token_logps.dtype)
-    tokens = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch)
-    tokens = tokens.to(token_logps.dtype)
-    return -(token_logps * mask).sum() / torch.where(tokens > 0, tokens, 1.0)
+    tokens = mask.sum() if num_items_in_batch is None else num_items_in_batch
+    return -(token_logps * mask).sum() / divisor(tokens, token_logps)
 
 
 def token_accuracy(
