@@ -314,10 +314,9 @@ class OnlineRL(RootCalls, RolloutSampling):
         with seeded(self.generator, hp.val_seed + batch_idx, self.device):
             _, hits = greedy_answer_hits(self.generator, rows, references, self.sampling.max_new_tokens)
             sampled = self.generator.generate(rows, hp.val_num_generations, self.sampling)
-        # Metrics are updated (possibly with nothing) and logged by every rank on every batch: their
-        # sync at epoch end is a collective, which a rank that skipped it would leave hanging.
-        # Decided over every rank: a rank that logged the metric while another did not would leave the
-        # epoch-end sync hanging; rows of a mixed file may lack ``solution`` (the first one included).
+        # Metrics are updated (possibly with nothing) and logged by every rank alike: their sync at epoch
+        # end is a collective, which a rank that skipped it would leave hanging. Whether any row has a
+        # ``solution`` is decided over ranks (rows of a mixed file may lack it, the first one included).
         if self.trainer.strategy.reduce_boolean_decision(bool(hits), all=False):
             self.val_answer_accuracy.update(torch.tensor(hits, device=self.device))
             self.log("val/answer_accuracy", self.val_answer_accuracy, prog_bar=True, batch_size=len(rows))

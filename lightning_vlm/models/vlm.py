@@ -71,7 +71,8 @@ class VLM(torch.nn.Module):
         self.family = family_of(model.config)
         if self.family.input_modalities is not None:
             model.input_modalities = self.family.input_modalities
-        for module in self.frozen_modules(model, freeze_vision_tower):
+        frozen = self.frozen_modules(model, freeze_vision_tower)
+        for module in frozen:
             module.requires_grad_(False)
         if gradient_checkpointing:
             # Non-reentrant: works with frozen embeddings and LoRA without enable_input_require_grads.
@@ -83,10 +84,10 @@ class VLM(torch.nn.Module):
             kwargs = dict(lora)
             if kwargs.get("target_modules") is None:
                 kwargs["target_modules"] = self.language_lora_targets(model)
-            elif kwargs.get("exclude_modules") is None and self.frozen_modules(model, freeze_vision_tower):
+            elif kwargs.get("exclude_modules") is None and frozen:
                 # The usual targets ("all-linear", [q_proj, v_proj]) name the vision tower's layers too:
                 # a frozen tower (or an unfed encoder) must get no trainable adapter.
-                kwargs["exclude_modules"] = self.lora_exclusion(model, freeze_vision_tower)
+                kwargs["exclude_modules"] = self.lora_exclusion(model, frozen)
             kwargs.setdefault("task_type", "CAUSAL_LM")
             model = get_peft_model(model, LoraConfig(**kwargs))
             tower = self._find(model.get_base_model(), VISION_ATTRS)
@@ -188,11 +189,11 @@ class VLM(torch.nn.Module):
         unfed = [getattr(model.model, a) for a in UNFED_ATTRS if getattr(model.model, a, None) is not None]
         return [cls._find(model, VISION_ATTRS)] * freeze_vision_tower + unfed
 
-    @classmethod
-    def lora_exclusion(cls, model: torch.nn.Module, freeze_vision_tower: bool) -> str:
-        """A PEFT ``exclude_modules`` regex matching every module of the frozen ones (``frozen_modules``)."""
-        frozen = {id(m) for m in cls.frozen_modules(model, freeze_vision_tower)}
-        prefixes = [re.escape(name) for name, module in model.named_modules() if id(module) in frozen]
+    @staticmethod
+    def lora_exclusion(model: torch.nn.Module, frozen: list[torch.nn.Module]) -> str:
+        """A PEFT ``exclude_modules`` regex matching every module inside ``frozen`` (``frozen_modules``)."""
+        ids = {id(m) for m in frozen}
+        prefixes = [re.escape(name) for name, module in model.named_modules() if id(module) in ids]
         return rf"({'|'.join(prefixes)})(\..*)?"
 
     def save_pretrained(
@@ -305,7 +306,7 @@ class VLM(torch.nn.Module):
             )
         hidden = self.hidden_states(inputs, model)
         batch_idx, token_idx = scored_positions(target_mask.to(hidden.device))
-        targets = inputs["input_ids"][batch_idx, token_idx]
+        targets = ids[batch_idx, token_idx]
         logps, entropy, argmax = selective_logps(
             hidden[batch_idx, token_idx - 1],
             targets,

@@ -107,7 +107,8 @@ def answers_match(completion: str, solution: Any) -> bool:
     answer = extract_answer(completion).strip()
     solution = solution if isinstance(solution, str) else str(solution)
     solution = extract_answer(solution).strip()
-    if not normalize(answer):  # nothing (or only punctuation) answers nothing
+    plain = normalize(answer)
+    if not plain:  # nothing (or only punctuation) answers nothing
         return False
     a_num, s_num = _as_number(answer), _as_number(solution)
     if a_num is not None and s_num is not None:
@@ -115,4 +116,4 @@ def answers_match(completion: str, solution: Any) -> bool:
     a_choice, s_choice = _CHOICE.match(answer), _CHOICE.match(solution)
     if a_choice and s_choice:
         return a_choice.group(1).upper() == s_choice.group(1).upper()
-    return normalize(answer) == normalize(solution)
+    return plain == normalize(solution)

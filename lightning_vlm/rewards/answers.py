@@ -138,8 +138,8 @@ def parse_number(text: str) -> float | None:
     separators are not. Digits right after a letter or "^" belong to a word or unit ("m2", "cm^2",
     "H2O"): "12 cm^2" names one number, 12.
     """
-    match = NUMBER.search(latex_numbers(extract_answer(text)))
-    return None if match is None else number_value(match)
+    numbers = parse_numbers(text)
+    return numbers[0] if numbers else None
 
 
 def numeric_reward(
