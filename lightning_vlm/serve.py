@@ -20,7 +20,13 @@ import ipaddress
 import os
 import sys
 
-from lightning_vlm.generation.vllm_engine import CPU_ENGINE, CPU_ENV, IMAGES_ONLY, cpu_dtype
+from lightning_vlm.generation.vllm_engine import (
+    CPU_ENGINE,
+    CPU_ENV,
+    CPU_MAX_MODEL_LEN,
+    IMAGES_ONLY,
+    cpu_dtype,
+)
 
 PLUGIN = "lightning_vlm"
 # Ours, not vLLM's: parsed first and handed to the plugin through the environment.
@@ -29,7 +35,9 @@ OWN_OPTIONS = (
     ("--max-weights-gb", "LIGHTNING_VLM_MAX_WEIGHTS_GB", "largest weight upload (streamed to disk)"),
 )
 # The colocated engine's CPU settings (measured on 2 cores; see the CPU notes); each can be overridden.
-CPU_DEFAULTS = dict(**CPU_ENGINE, dtype="auto", max_model_len=1024, max_num_batched_tokens=1024)
+CPU_DEFAULTS = dict(
+    **CPU_ENGINE, dtype="auto", max_model_len=CPU_MAX_MODEL_LEN, max_num_batched_tokens=CPU_MAX_MODEL_LEN
+)
 DEFAULTS = dict(
     host="127.0.0.1", seed=0, logprobs_mode="processed_logprobs", limit_mm_per_prompt=dict(IMAGES_ONLY)
 )

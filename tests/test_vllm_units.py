@@ -305,3 +305,26 @@ def test_engine_dicts_are_set_from_the_command_line(tmp_path):
         compose_train(["generation=vllm_colocate"], tmp_path).callbacks.vllm_generation.engine
     )
     assert unset.for_policy({"max_pixels": 401408}).mm_processor_kwargs == {"max_pixels": 401408}
+
+
+def test_engine_max_model_len_is_the_models_own_on_gpu_and_a_measured_cap_on_cpu(monkeypatch, tmp_path):
+    # A fixed 1024 for every model cut Qwen2.5-VL prompts (512 tokens per image) plus 512 completion
+    # tokens. Unset, the GPU engine takes the model's context length (vLLM's and TRL's default).
+    import vllm
+
+    from lightning_vlm.generation import vllm_engine
+    from lightning_vlm.generation.engine_options import EngineOptions
+
+    built, model = [], tmp_path / "absent"  # no config to read: the CPU dtype falls back to float32
+    monkeypatch.setattr(vllm, "LLM", lambda **kwargs: built.append(kwargs))
+    for cuda in (True, False):
+        monkeypatch.setattr(vllm_engine, "has_cuda", lambda cuda=cuda: cuda)
+        vllm_engine.make_vllm_engine(model)
+        vllm_engine.make_vllm_engine(model, EngineOptions(max_model_len=4096))
+    gpu, gpu_set, cpu, cpu_set = built
+    assert gpu["max_model_len"] is None and gpu_set["max_model_len"] == 4096
+    assert cpu["max_model_len"] == cpu["max_num_batched_tokens"] == vllm_engine.CPU_MAX_MODEL_LEN
+    assert cpu_set["max_model_len"] == cpu_set["max_num_batched_tokens"] == 4096
+    assert "--max-model-len" not in EngineOptions().server_args()  # a started server: its own default
+    args = EngineOptions(max_model_len=4096).server_args()
+    assert args[args.index("--max-model-len") + 1] == "4096"

@@ -35,10 +35,12 @@ class EngineOptions:
     ``limit_mm_per_prompt`` None: ``vllm_engine.IMAGES_ONLY``; ``enable_sleep_mode``: GPU only
     (free vLLM's memory during the backward pass); ``mm_processor_kwargs`` None: the policy's
     ``model.processor_kwargs`` (:meth:`for_policy`), so vLLM sees the image tokens training sees;
-    ``extra``: any other ``vllm.LLM`` keyword."""
+    ``max_model_len`` None: the model's own context length on GPU (vLLM's and TRL's
+    ``vllm_max_model_len`` default; a fixed cap cut long image prompts), ``vllm_engine.CPU_MAX_MODEL_LEN``
+    on CPU; ``extra``: any other ``vllm.LLM`` keyword."""
 
     gpu_memory_utilization: float = 0.3
-    max_model_len: int = 1024
+    max_model_len: int | None = None
     tensor_parallel_size: int = 1
     enable_sleep_mode: bool = False
     dtype: str = "auto"
@@ -58,7 +60,7 @@ class EngineOptions:
         # Refused here, with the setting's name, rather than deep inside vLLM's engine start.
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_model_len < 1:
+        if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
@@ -96,10 +98,12 @@ class EngineOptions:
 
     def server_args(self) -> list[str]:
         """The same settings as ``vllm serve`` options (for the server the callback starts)."""
-        args = ["--max-model-len", str(self.max_model_len), "--dtype", self.dtype,
+        args = ["--dtype", self.dtype,
                 "--gpu-memory-utilization", str(self.gpu_memory_utilization),
                 "--tensor-parallel-size", str(self.tensor_parallel_size), "--model-impl", self.model_impl,
                 "--logprobs-mode", self.logprobs_mode, "--seed", str(self.seed)]  # fmt: skip
+        if self.max_model_len is not None:  # else the server's own default, as in-process
+            args += ["--max-model-len", str(self.max_model_len)]
         if self.limit_mm_per_prompt:
             args += ["--limit-mm-per-prompt", json.dumps(dict(self.limit_mm_per_prompt))]
         if self.mm_processor_kwargs:

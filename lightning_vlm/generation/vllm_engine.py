@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 # engine and the server (lightning_vlm.serve): 1 GiB of KV cache, eager mode, small batches.
 CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
 CPU_ENGINE = {"enforce_eager": True, "max_num_seqs": 4}  # no CUDA graphs; compiling costs more than it saves
+# Prompt + completion on CPU unless set: the tiny models' context is 2048, and a 1 GiB KV cache with
+# max_num_batched_tokens this size was measured to work; a whole synthetic prompt takes ~100 tokens.
+CPU_MAX_MODEL_LEN = 1024
 # The colocated engine runs in-process, so weights can be reloaded through collective_rpc.
 _COLOCATED_CPU_ENV = {**CPU_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # limit_mm_per_prompt unless told otherwise: vLLM's own default is one image, which refuses the
@@ -74,6 +77,8 @@ def make_vllm_engine(
     fields = {f.name for f in dataclasses.fields(EngineOptions)}
     engine = EngineOptions.build(engine, **{k: v for k, v in overrides.items() if k in fields})
     dtype, max_model_len = engine.dtype, engine.max_model_len
+    if max_model_len is None and not has_cuda():
+        max_model_len = CPU_MAX_MODEL_LEN
     kwargs: dict[str, Any] = {
         "model": os.fspath(model_path),
         "max_model_len": max_model_len,
