@@ -53,6 +53,7 @@ def check_settings(cfg: DictConfig) -> None:
         raise ValueError(f"method.optimizer.lr must be >= 0, got {lr}")
     if online:
         _check_online(method, data)
+        _check_online_trainer(trainer, method, data)
         _check_vllm_correction(method, cfg.get("callbacks") or {})
 
 
@@ -74,6 +75,12 @@ def _check_trainer(trainer: Any, online: bool) -> None:
         raise ValueError(
             f"trainer.val_check_interval must be > 0 (steps, or a fraction of an epoch) or null, got {interval}; "
             "to skip validation set trainer.limit_val_batches=0"
+        )
+    if isinstance(interval, float) and trainer.get("check_val_every_n_epoch") is None:
+        # Lightning's own error comes at fit start; runs here validate by step (trainer/default.yaml).
+        raise ValueError(
+            f"trainer.val_check_interval={interval} is a fraction of an epoch, which Lightning takes only with "
+            "trainer.check_val_every_n_epoch set (e.g. 1); runs here validate every N steps: give an integer"
         )
 
 
@@ -126,6 +133,35 @@ def _check_online(method: Any, data: Any) -> None:
                 f"a generation trains on ({source} × method.num_generations={generations}) into "
                 "equal optimizer steps"
             )
+
+
+def _check_online_trainer(trainer: Any, method: Any, data: Any) -> None:
+    """Trainer settings an online method's own optimisation loop cannot honour (Lightning or DeepSpeed
+    would refuse them only once training starts)."""
+    if trainer.get("gradient_clip_val") is not None:
+        raise ValueError(
+            f"trainer.gradient_clip_val={trainer.get('gradient_clip_val')}: online methods step the optimizer "
+            "themselves, and Lightning clips only automatic optimisation; set method.max_grad_norm instead "
+            "(TRL's max_grad_norm, 1.0 by default) and trainer.gradient_clip_val=null"
+        )
+    strategy = trainer.get("strategy")
+    target = strategy.get("_target_", "") if isinstance(strategy, Mapping) else str(strategy or "")
+    micro = method.get("micro_batch_size")
+    if "deepspeed" not in target.lower() or micro is None:
+        return
+    prompts, generations = data.get("batch_size"), method.get("num_generations")
+    steps = method.get("steps_per_generation", 1)
+    if not all(isinstance(v, int) and v >= 1 for v in (prompts, generations, steps, micro)):
+        return  # other checks name these; the method refuses several micro-batches at its first step
+    groups = DynamicSampling.of(_rounds_only(method.get("dynamic_sampling"))).round_size(prompts)
+    per_step = groups * generations // steps
+    if micro < per_step:
+        raise ValueError(
+            f"method.micro_batch_size={micro} splits each optimizer step's {per_step} completions into several "
+            "backward passes, which DeepSpeed's engine does not accumulate in a manual-optimisation loop: set "
+            "method.micro_batch_size=null with trainer=deepspeed_* (to bound activation memory, lower "
+            "data.batch_size or raise method.steps_per_generation instead)"
+        )
 
 
 # Sampling settings that reshape the distribution vLLM samples from, and their neutral values.

@@ -40,6 +40,11 @@ TRAIN_CASES = [
     (["method=grpo", "trainer.accumulate_grad_batches=2"], ValueError,
      r"trainer\.accumulate_grad_batches=2.*method\.micro_batch_size", NEW),
     (["trainer.val_check_interval=0"], ValueError, r"trainer\.val_check_interval must be > 0", NEW),
+    (["trainer.val_check_interval=0.5"], ValueError, r"trainer\.check_val_every_n_epoch set .* give an integer", NEW),
+    (["method=grpo", "trainer.gradient_clip_val=1.0"], ValueError, r"set method\.max_grad_norm instead", NEW),
+    # DeepSpeed does not accumulate an online method's micro-batches; it failed inside the first step
+    (["method=grpo", "trainer=deepspeed_zero2", "method.micro_batch_size=8"], ValueError,
+     r"method\.micro_batch_size=8 splits each optimizer step's 32 completions .* method\.micro_batch_size=null", NEW),
     (["trainer.max_steps=-5"], InstantiationException, r"max_steps. must be a non-negative", CLEAR),
     # model: a missing folder read as a malformed hub id ("Repo id must be in the form ...")
     (["model.model_name_or_path=/no/such/dir"], FileNotFoundError,
@@ -140,6 +145,21 @@ def test_train_py_settings_fail_early_naming_the_setting(
 )  # fmt: skip
 def test_reshaped_sampling_is_accepted_where_no_vllm_correction_runs(overrides, tmp_path):
     check_settings(compose_train([*SMALL, *overrides], tmp_path))
+
+
+def test_settings_an_online_loop_can_honour_are_accepted(tmp_path):
+    # A fraction of an epoch with epochs validated; DeepSpeed with one backward per step (micro-batches of
+    # a whole step, or none); an online method's own clip.
+    check_settings(
+        compose_train(
+            [*SMALL, "trainer.val_check_interval=0.5", "trainer.check_val_every_n_epoch=1"], tmp_path
+        )
+    )
+    for micro in ("32", "null"):
+        check_settings(compose_train(
+            [*SMALL, "method=grpo", "trainer=deepspeed_zero2", f"method.micro_batch_size={micro}"], tmp_path
+        ))  # fmt: skip
+    check_settings(compose_train([*SMALL, "method=grpo", "method.max_grad_norm=0.5"], tmp_path))
 
 
 def test_dynamic_sampling_steps_need_to_split_one_round_not_the_whole_pool(tmp_path):
