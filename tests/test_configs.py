@@ -122,3 +122,14 @@ def test_sampling_and_engine_nodes_are_their_dataclasses(tmp_path):
 def test_gpu_trainer_takes_precision_from_the_scale(tmp_path):
     assert compose_train(["trainer=gpu"], tmp_path).trainer.precision == "32-true"  # tiny model
     assert compose_train(["trainer=gpu", "model=qwen2_5_vl"], tmp_path).trainer.precision == "bf16-mixed"
+
+
+@pytest.mark.parametrize("model", ["qwen2_5_vl_7b", "llava_next"])
+def test_lora_default_keeps_a_7b_models_own_adapter_size(model, tmp_path):
+    # `lora=default` composes after the model and reset the 7B configs' r 64 to the 3B default of 16.
+    own = compose_train([f"model={model}"], tmp_path).model.lora
+    assert (own.r, own.lora_alpha, own.lora_dropout) == (64, 128, 0.05)
+    assert compose_train([f"model={model}", "lora=default"], tmp_path).model.lora == own
+    assert compose_train([f"model={model}", "model.lora.r=8"], tmp_path).model.lora.r == 8
+    smaller = compose_train(["model=qwen2_5_vl", "lora=default"], tmp_path).model.lora
+    assert smaller.r == 16 and smaller.modules_to_save is None
