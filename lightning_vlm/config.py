@@ -8,6 +8,10 @@ overridable from the command line, without repeating them.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+from datetime import datetime
+
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
@@ -26,11 +30,36 @@ def _tiny_vlm(family: str, start: str = "random") -> str:
     return str(tiny_sft_path(family, start=start))
 
 
+def launch_id(environ: Mapping[str, str] | None = None) -> str | None:
+    """A name that every process of one external launch shares, for its run folder: torchrun's run id
+    (``--standalone`` draws one, ``--rdzv-id`` names it), or SLURM's job and step ids when the step runs
+    several tasks. None for one process, and for Lightning's own launcher, which hands rank 0's run
+    folder to the processes it starts. Each process of an external launch composes its own config, so
+    a time stamp could differ by a second between them and split the run over two folders."""
+    environ = os.environ if environ is None else environ
+    run_id = environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":  # "none": torchrun's default id, shared by unrelated launches
+        return f"torchrun-{run_id}"
+    job, tasks = environ.get("SLURM_JOB_ID"), environ.get("SLURM_NTASKS", "1")
+    if job and tasks.isdigit() and int(tasks) > 1:
+        step = environ.get("SLURM_STEP_ID")
+        return f"slurm-{job}" + (f".{step}" if step else "")
+    return None
+
+
+def _run_stamp(pattern: str) -> str:
+    return launch_id() or datetime.now().strftime(pattern)
+
+
 def register_resolvers() -> None:
     """Registers `${tiny_vlm:<family>[,random|<warm start>]}` (path of an offline tiny model, or of one of
-    its SFT warm starts, ``warm_start.WARM_STARTS``); safe to call twice."""
+    its SFT warm starts, ``warm_start.WARM_STARTS``) and `${run_stamp:<strftime pattern>}` (the run
+    folder's name: :func:`launch_id`, else the time); safe to call twice."""
     if not OmegaConf.has_resolver("tiny_vlm"):
         OmegaConf.register_new_resolver("tiny_vlm", _tiny_vlm, use_cache=True)
+    if not OmegaConf.has_resolver("run_stamp"):
+        # Cached like Hydra's ${now:}: the folder is named once per process.
+        OmegaConf.register_new_resolver("run_stamp", _run_stamp, use_cache=True)
 
 
 def register_schemas() -> None:

@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-import lightning_vlm.config  # noqa: F401  (registers the ${tiny_vlm:...} resolver)
+import lightning_vlm.config  # noqa: F401  (registers the ${tiny_vlm:...} and ${run_stamp:...} resolvers)
 from lightning_vlm.callbacks.resume import BatchCountAfterResume, NextEpochAfterRestart
 from lightning_vlm.callbacks.run_report import finish_reports
 from lightning_vlm.ckpt_path import checkpoint_to_load, last_checkpoint, restore_errors

@@ -133,3 +133,27 @@ def test_lora_default_keeps_a_7b_models_own_adapter_size(model, tmp_path):
     assert compose_train([f"model={model}", "model.lora.r=8"], tmp_path).model.lora.r == 8
     smaller = compose_train(["model=qwen2_5_vl", "lora=default"], tmp_path).model.lora
     assert smaller.r == 16 and smaller.modules_to_save is None
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({"TORCHELASTIC_RUN_ID": "3f9c2a"}, "torchrun-3f9c2a"),
+        ({"TORCHELASTIC_RUN_ID": "none"}, None),  # torchrun without --standalone or --rdzv-id
+        ({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0"}, "slurm-77.0"),
+        ({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "1"}, None),  # one task: Lightning launches the rest
+        ({}, None),
+    ],
+)
+def test_processes_of_one_launch_name_one_run_folder(environ, expected, monkeypatch):
+    # Every torchrun/SLURM process composes its own config: ${now:} could differ by a second between
+    # ranks and split one run over two folders.
+    from lightning_vlm.config import launch_id
+
+    assert launch_id(environ) == expected
+    for key in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_STEP_ID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    stamp = OmegaConf.create({"dir": "${run_stamp:%Y-%m-%d_%H-%M-%S}"}).dir
+    assert stamp == expected if expected else stamp[:4].isdigit() and len(stamp) == 19

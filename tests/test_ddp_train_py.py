@@ -97,6 +97,9 @@ def test_a_sweep_under_torchrun_runs_every_method_on_two_processes(tmp_path):
     env = {**_env(tmp_path), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # both ranks name the sweep after torchrun's run id, not each its own time stamp
+    assert {p.name.split("-")[0] for p in (tmp_path / "logs").glob("*/multiruns/*")} == {"torchrun"}
+    assert len({p.name for p in (tmp_path / "logs").glob("*/multiruns/*")}) == 1
     # rank 0 writes one checkpoint folder per job and the sweep's summary: every job completed
     assert len(list((tmp_path / "logs").glob("*/multiruns/*/*/checkpoints/last.ckpt"))) == len(methods)
     (summary,) = (tmp_path / "logs").glob("*/multiruns/*/summary.json")
