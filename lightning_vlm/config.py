@@ -40,7 +40,7 @@ def launch_id(environ: Mapping[str, str] | None = None) -> str | None:
     run_id = environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id and run_id != "none":  # "none": torchrun's default id, shared by unrelated launches
         return f"torchrun-{run_id}"
-    job, tasks = environ.get("SLURM_JOB_ID"), environ.get("SLURM_NTASKS", "1")
+    job, tasks = environ.get("SLURM_JOB_ID"), environ.get("SLURM_STEP_NUM_TASKS", "1")  # set by srun
     if job and tasks.isdigit() and int(tasks) > 1:
         step = environ.get("SLURM_STEP_ID")
         return f"slurm-{job}" + (f".{step}" if step else "")

@@ -140,8 +140,8 @@ def test_lora_default_keeps_a_7b_models_own_adapter_size(model, tmp_path):
     [
         ({"TORCHELASTIC_RUN_ID": "3f9c2a"}, "torchrun-3f9c2a"),
         ({"TORCHELASTIC_RUN_ID": "none"}, None),  # torchrun without --standalone or --rdzv-id
-        ({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0"}, "slurm-77.0"),
-        ({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "1"}, None),  # one task: Lightning launches the rest
+        ({"SLURM_JOB_ID": "77", "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_ID": "0"}, "slurm-77.0"),
+        ({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "8"}, None),  # the batch script itself, not an srun step
         ({}, None),
     ],
 )
@@ -151,7 +151,13 @@ def test_processes_of_one_launch_name_one_run_folder(environ, expected, monkeypa
     from lightning_vlm.config import launch_id
 
     assert launch_id(environ) == expected
-    for key in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_STEP_ID"):
+    for key in (
+        "TORCHELASTIC_RUN_ID",
+        "SLURM_JOB_ID",
+        "SLURM_NTASKS",
+        "SLURM_STEP_NUM_TASKS",
+        "SLURM_STEP_ID",
+    ):
         monkeypatch.delenv(key, raising=False)
     for key, value in environ.items():
         monkeypatch.setenv(key, value)
