@@ -34,6 +34,14 @@ def best_job(jobs: list[dict[str, Any]], mode: str) -> dict[str, Any] | None:
     return (max if mode == "max" else min)(scored, key=lambda j: j["value"])
 
 
+def best_per_metric(jobs: list[dict[str, Any]]) -> dict[str, dict[str, Any] | None]:
+    """The best job of each metric the jobs optimise: a sweep across methods optimises each method's
+    own (SFT's answer accuracy, DPO's preference accuracy, GRPO's reward), which are not comparable."""
+    metrics = dict.fromkeys((j["metric"], j["mode"]) for j in jobs)
+    return {metric: best_job([j for j in jobs if (j["metric"], j["mode"]) == (metric, mode)], mode)
+            for metric, mode in metrics}  # fmt: skip
+
+
 class SweepSummary(Callback):
     """Hydra callback: records each job's result and writes the sweep's summary at the end."""
 
@@ -62,6 +70,7 @@ class SweepSummary(Callback):
             "overrides": list(job_return.overrides or []),
             # per job: a sweep across methods optimises each method's own metric
             "metric": self.metric,
+            "mode": self.mode,
             "value": float(value) if isinstance(value, (int, float)) else None,
             "status": "failed" if failed else "completed",
             "error": repr(job_return._return_value) if failed else None,
@@ -69,39 +78,52 @@ class SweepSummary(Callback):
         })  # fmt: skip
         self._write(config)
 
-    def _write(self, config: DictConfig) -> tuple[Path, dict[str, Any] | None]:
-        """Writes the summary of the jobs so far; returns its folder and the best job."""
+    def _write(self, config: DictConfig) -> tuple[Path, dict[str, dict[str, Any] | None]]:
+        """Writes the summary of the jobs so far; returns its folder and the best job of each metric."""
         out = self.sweep_dir or Path(str(config.hydra.sweep.dir))
-        best = best_job(self.jobs, self.mode)
+        bests = best_per_metric(self.jobs)
         # torchrun sweeps run every job on every rank; one summary is enough
         if launcher_rank() == 0:
             out.mkdir(parents=True, exist_ok=True)
-            summary = {"metric": self.metric, "mode": self.mode, "best": best, "jobs": self.jobs}
+            # One metric: "best" names the winner. Several: no job wins over the others ("best" is null),
+            # and "best_per_metric" names each metric's.
+            one = len(bests) == 1
+            summary = {"metric": self.metric if one else None, "mode": self.mode if one else None,
+                       "best": next(iter(bests.values())) if one else None, "best_per_metric": bests,
+                       "jobs": self.jobs}  # fmt: skip
             (out / f"{self.filename}.json").write_text(json.dumps(summary, indent=2))
             (out / f"{self.filename}.md").write_text(render_markdown(summary))
-        return out, best
+        return out, bests
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if launcher_rank() != 0 or not self.jobs:
             return
-        out, best = self._write(config)
-        if best is None:
-            log.warning("Sweep finished: no job reported %s (summary in %s)", self.metric, out)
-        else:
-            log.info("Sweep best %s=%.4f with %s (job %s); summary in %s",
-                     self.metric, best["value"], " ".join(best["overrides"]), best["job"], out)  # fmt: skip
+        out, bests = self._write(config)
+        if len(bests) > 1:
+            log.info("Sweep jobs optimise %d different metrics: no single best job", len(bests))
+        for metric, best in bests.items():
+            if best is None:
+                log.warning("Sweep finished: no job reported %s (summary in %s)", metric, out)
+            else:
+                log.info("Sweep best %s=%.4f with %s (job %s); summary in %s",
+                         metric, best["value"], " ".join(best["overrides"]), best["job"], out)  # fmt: skip
 
 
 def render_markdown(summary: dict[str, Any]) -> str:
-    """The summary as a Markdown table, best first (what a user pastes into a report)."""
-    reverse = summary["mode"] == "max"
-    rows = sorted(
-        summary["jobs"],
-        key=lambda j: (j["value"] is None, -(j["value"] or 0) if reverse else (j["value"] or 0)),
+    """The summary as a Markdown table, best first within each metric (what a user pastes into a report)."""
+
+    def order(job: dict[str, Any]) -> tuple:
+        value = job["value"]
+        return (job["metric"] or "", value is None, -(value or 0) if job["mode"] == "max" else (value or 0))
+
+    title = (
+        f"{summary['metric']} ({summary['mode']})" if summary["metric"] else "several metrics, one best each"
     )
-    lines = [f"# Sweep: {summary['metric']} ({summary['mode']})", "", "| job | value | status | overrides |",
-             "| --- | --- | --- | --- |"]  # fmt: skip
-    for j in rows:
+    lines = [f"# Sweep: {title}", "", "| job | metric | value | status | overrides |",
+             "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    for j in sorted(summary["jobs"], key=order):
         value = "" if j["value"] is None else f"{j['value']:.4f}"
-        lines.append(f"| {j['job']} | {value} | {j['status']} | `{' '.join(j['overrides'])}` |")
+        lines.append(
+            f"| {j['job']} | {j['metric']} | {value} | {j['status']} | `{' '.join(j['overrides'])}` |"
+        )
     return "\n".join(lines) + "\n"

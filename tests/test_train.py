@@ -59,8 +59,11 @@ def test_train_py_runs_two_steps_of_every_method_in_one_sweep_and_exits_0(tmp_pa
     summary = json.loads(summary_file.read_text())
     assert len(summary["jobs"]) == len(METHODS) and all(j["status"] == "completed" for j in summary["jobs"])
     assert all(isinstance(j["value"], float) for j in summary["jobs"])  # each job validated its weights
-    assert summary["best"]["value"] == max(j["value"] for j in summary["jobs"])
-    assert "| job | value |" in (summary_file.parent / "summary.md").read_text()
+    # each method optimises its own metric: no job is best over all, each metric has its best
+    assert summary["best"] is None and len(summary["best_per_metric"]) == 3
+    for metric, best in summary["best_per_metric"].items():
+        assert best["value"] == max(j["value"] for j in summary["jobs"] if j["metric"] == metric)
+    assert "| job | metric | value |" in (summary_file.parent / "summary.md").read_text()
     assert "Sweep best" in proc.stderr + proc.stdout
 
 

@@ -1,0 +1,29 @@
+"""The sweep summary's choice of a best job (lightning_vlm/sweeps.py), on hand-made job records."""
+
+from __future__ import annotations
+
+from lightning_vlm.sweeps import best_per_metric, render_markdown
+
+
+def _job(num, metric, value, mode="max"):
+    return {"job": num, "overrides": [f"x={num}"], "metric": metric, "mode": mode, "value": value,
+            "status": "completed" if value is not None else "failed", "error": None, "dir": "."}  # fmt: skip
+
+
+def test_a_sweep_across_metrics_names_a_best_per_metric_not_one_over_all():
+    # SFT's answer accuracy 0.4 and GRPO's mean reward 0.9 are not comparable: the old summary named
+    # the GRPO job best of the sweep.
+    jobs = [_job(0, "val/answer_accuracy", 0.4), _job(1, "val/reward", 0.9), _job(2, "val/answer_accuracy", 0.6),
+            _job(3, "val/loss", 0.3, "min"), _job(4, "val/loss", 0.2, "min"), _job(5, "val/reward", None)]  # fmt: skip
+    bests = best_per_metric(jobs)
+    assert {m: b["job"] for m, b in bests.items()} == {
+        "val/answer_accuracy": 2,
+        "val/reward": 1,
+        "val/loss": 4,
+    }
+    summary = {"metric": None, "mode": None, "best": None, "best_per_metric": bests, "jobs": jobs}
+    table = render_markdown(summary).splitlines()
+    assert table[0] == "# Sweep: several metrics, one best each"
+    # best first within each metric, a failed job last in its metric
+    assert [line.split("|")[1].strip() for line in table[4:]] == ["2", "0", "4", "3", "1", "5"]
+    assert best_per_metric([_job(0, "val/reward", None)]) == {"val/reward": None}
