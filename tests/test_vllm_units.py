@@ -328,3 +328,16 @@ def test_engine_max_model_len_is_the_models_own_on_gpu_and_a_measured_cap_on_cpu
     assert "--max-model-len" not in EngineOptions().server_args()  # a started server: its own default
     args = EngineOptions(max_model_len=4096).server_args()
     assert args[args.index("--max-model-len") + 1] == "4096"
+
+
+def test_colocated_vllm_refuses_an_engine_core_in_another_process(monkeypatch, tiny_path):
+    # VLLM_ENABLE_V1_MULTIPROCESSING=1 in the user's environment: the engine started, and the first weight
+    # sync failed ("Object of type generator is not serializable"; as a list, "cannot pickle memoryview").
+    from lightning_vlm.generation.vllm_colocate import VLLMColocateGenerator
+    from lightning_vlm.models.vlm import VLM
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with pytest.raises(
+        ValueError, match=r"VLLM_ENABLE_V1_MULTIPROCESSING=1 .* unset it .* generation=vllm_server"
+    ):
+        VLLMColocateGenerator(VLM(tiny_path("qwen2_5_vl")))

