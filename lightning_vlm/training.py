@@ -99,8 +99,9 @@ def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
         torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
     scale = cfg.get("scale") or {}
     check_model_scale(
-        scale.get("name"), cfg.model.model_name_or_path, cfg.model.get("trust_remote_code", False)
-    )
+        scale.get("name"), cfg.model.model_name_or_path, cfg.model.get("trust_remote_code", False),
+        cfg.model.get("model_kwargs"),
+    )  # fmt: skip
     log.info("Instantiating datamodule <%s>", cfg.data._target_)
     datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data, _convert_="all")
     log.info("Instantiating model <%s>", cfg.model._target_)

@@ -53,3 +53,21 @@ def test_tiny_models_and_their_exports_pass(tiny_path, tmp_path):
     for family in ("qwen2_5_vl", "idefics3"):  # an export elsewhere: its parameters are counted
         shutil.copy(f"{tiny_path(family)}/config.json", tmp_path / "config.json")
         check_model_scale("tiny", str(tmp_path))
+
+
+def test_a_3b_model_in_the_runs_own_hub_cache_is_refused_too(qwen_3b_config_dir, tmp_path, monkeypatch):
+    # model.model_kwargs.cache_dir: the model loads from there, but the guard read the default cache,
+    # found nothing, and refused with "its config cannot be read" instead of naming the family.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo = tmp_path / "hub" / "models--someone--big-vlm"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    shutil.copy(qwen_3b_config_dir / "config.json", snapshot / "config.json")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    overrides = [
+        "model.model_name_or_path=someone/big-vlm",
+        f"model.model_kwargs={{cache_dir:{tmp_path / 'hub'}}}",
+    ]
+    with pytest.raises(ValueError, match=r"[34]\.\d\d B parameters.*`model=qwen2_5_vl"):
+        train(compose_train(overrides, tmp_path))

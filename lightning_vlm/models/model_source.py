@@ -9,9 +9,18 @@ setting, nor says which of the two the value was meant to be.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 TRUE_VALUES = {"1", "ON", "YES", "TRUE"}
+# model.model_kwargs that say where a hub model is found: the processor and the config come from there too
+LOCATION_KEYS = ("cache_dir", "revision")
+
+
+def hub_location(model_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The ``cache_dir`` and ``revision`` of ``model.model_kwargs``, for every other hub read of the model."""
+    return {k: v for k, v in (model_kwargs or {}).items() if k in LOCATION_KEYS}
 
 
 def _offline() -> bool:

@@ -10,9 +10,11 @@ parameters on the meta device and stops with the ``model=<family>`` to use inste
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from .families import FAMILIES
+from .model_source import hub_location
 
 log = logging.getLogger(__name__)
 
@@ -43,16 +45,22 @@ def _in_tiny_cache(model_name_or_path: str) -> bool:
 
 
 def check_model_scale(
-    scale_name: str | None, model_name_or_path: str, trust_remote_code: bool = False
+    scale_name: str | None,
+    model_name_or_path: str,
+    trust_remote_code: bool = False,
+    model_kwargs: Mapping[str, Any] | None = None,
 ) -> None:
-    """Raises when ``model_name_or_path`` is a large model but the tiny models' settings are selected."""
+    """Raises when ``model_name_or_path`` is a large model but the tiny models' settings are selected;
+    ``model_kwargs``' ``cache_dir`` and ``revision`` say where its config is, as for the model itself."""
     if scale_name != "tiny" or _in_tiny_cache(model_name_or_path):
         return
     from transformers import AutoConfig
 
     choices = ", ".join(f"model={v}" for v in sorted(set(FAMILY_CONFIGS.values())))
     try:
-        config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(
+            model_name_or_path, trust_remote_code=trust_remote_code, **hub_location(model_kwargs)
+        )
     except (OSError, ValueError) as err:
         raise ValueError(
             f"model.model_name_or_path={model_name_or_path!r} is used with the tiny models' settings "

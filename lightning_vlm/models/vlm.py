@@ -15,7 +15,7 @@ from . import encoding, vision_every_rank
 from .families import family_of
 from .image_tokens import NUM_IMAGES_KEY, check_image_tokens
 from .logprobs import scatter_to_tokens, scored_positions, selective_logps, softcapped
-from .model_source import check_model_source
+from .model_source import check_model_source, hub_location
 from .special_tokens import end_of_turn_token, vision_special_ids
 from .vision_cache import IMAGE_GROUPS_KEY, shared_hidden_states
 
@@ -52,7 +52,7 @@ class VLM(torch.nn.Module):
         # Kept for engines that build their own processor (vLLM): they must encode images alike.
         self.processor_kwargs: dict = dict(processor_kwargs or {})
         # A missing folder or an uncached hub id offline: say so, naming the setting.
-        where = {k: v for k, v in (model_kwargs or {}).items() if k in ("cache_dir", "revision")}
+        where = hub_location(model_kwargs)
         check_model_source(model_name_or_path, **where)
         # The processor (tokenizer, chat template, image settings) from the same revision and cache.
         self.processor = AutoProcessor.from_pretrained(
