@@ -288,3 +288,28 @@ def test_missing_cells_of_every_kind_are_rows_without_a_solution():
     pd = pytest.importorskip("pandas")
     missing = [np.float32("nan"), np.float64("nan"), pd.NA, pd.NaT, "", None]
     assert accuracy_reward(["nan"] * len(missing), solution=missing) == [None] * len(missing)
+
+
+def test_think_format_reward_reads_a_completion_after_a_prefilled_think(tiny_path):
+    # Thinking templates (Qwen3-VL-Thinking) end the generation prompt with "<think>\n": completions start
+    # inside the think block, and every one scored 0, as in TRL.
+    from lightning_vlm.generation.base import Rollouts
+    from lightning_vlm.methods.grpo import GRPO
+    from lightning_vlm.models import encoding
+    from lightning_vlm.models.vlm import VLM
+
+    vlm = VLM(tiny_path("qwen2_5_vl"))
+    assert vlm.generation_prompt == "<|im_start|>assistant\n"  # no prefill: completions read as they are
+    template = vlm.processor.chat_template.replace(
+        "'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'"
+    )
+    assert template != vlm.processor.chat_template
+    vlm.processor.chat_template = vlm.tokenizer.chat_template = template
+    vlm.generation_prompt = encoding.generation_prompt(vlm.processor)
+    assert vlm.generation_prompt == "<|im_start|>assistant\n<think>\n"
+    completions = ["red things</think><answer>red</answer>", "<think>x</think><answer>red</answer>", "red"]
+    module = GRPO(vlm, optimizer=None, reward_funcs=[think_format_reward], num_generations=3)
+    rollouts = Rollouts([{"prompt": "p"}], [[1]] * 3, completions, [False] * 3, num_generations=3)
+    scores, _ = module.score(rollouts)
+    assert scores[:, 0].tolist() == [1.0, 0.0, 0.0]  # a second <think> is a nested tag
+    assert think_format_reward(completions) == [0.0, 1.0, 0.0]  # no prefill

@@ -91,8 +91,10 @@ class RolloutSampling(L.LightningModule):
         return bool(rollouts.extras.get("is_policy", self.generator.is_policy))
 
     def score(self, rollouts: Rollouts) -> tuple[torch.Tensor, list[str]]:
-        """[N, F] rewards (NaN for None); each function gets the completions and every row column."""
-        return self.scorer(rollouts.completion_texts, reward_columns(rollouts))
+        """[N, F] rewards (NaN for None); each function gets the completions, every row column, and the
+        chat template's ``generation_prompt`` (what precedes every completion, e.g. a prefilled ``<think>``)."""
+        columns = {**reward_columns(rollouts), "generation_prompt": self.vlm.generation_prompt}
+        return self.scorer(rollouts.completion_texts, columns)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[_COUNTER_KEY] = self.completions_generated

@@ -33,6 +33,14 @@ def render(processor, messages: list[dict], add_generation_prompt: bool = False)
     )
 
 
+def generation_prompt(processor) -> str:
+    """What the chat template appends to open the assistant's turn for generation: the role header, and
+    for thinking models (Qwen3-VL-Thinking) a prefilled ``<think>``, which completions then lack."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "?"}]}]
+    bare, opened = render(processor, messages), render(processor, messages, add_generation_prompt=True)
+    return opened[len(bare) :] if opened.startswith(bare) else ""
+
+
 def assistant_char_spans(
     processor, messages: list[dict], end_of_turn: str
 ) -> tuple[str, list[tuple[int, int]]]:

@@ -59,6 +59,8 @@ class VLM(torch.nn.Module):
             model_name_or_path, trust_remote_code=trust_remote_code, **where, **(processor_kwargs or {})
         )
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        # Rewards get it (``generation_prompt``): a prefilled "<think>" is part of every completion's text.
+        self.generation_prompt = encoding.generation_prompt(self.processor)
         model = AutoModelForImageTextToText.from_pretrained(
             model_name_or_path,
             dtype=_dtype(dtype),

@@ -96,17 +96,23 @@ def _tags_nested(text: str) -> bool:
     return _ANY_TAG.search(text) is not None
 
 
-def think_format_reward(completions: Sequence[Completion], **kwargs: Any) -> list[float]:
+def think_format_reward(
+    completions: Sequence[Completion], generation_prompt: str = "", **kwargs: Any
+) -> list[float]:
     """1.0 if the completion is exactly ``<think>...</think><answer>...</answer>`` (whitespace-tolerant), else 0.0.
 
     The think block may be empty; the answer block must hold some text. Neither may contain a
     further think/answer tag, so a second answer block fails. Unlike TRL's ``think_format_reward``
     (which checks only the think block) this also requires the answer block that
-    ``accuracy_reward`` reads.
+    ``accuracy_reward`` reads. When the chat template's ``generation_prompt`` ends with ``<think>``
+    (thinking models prefill it), the completion starts inside the think block and is read after it;
+    TRL's scores every such completion 0.
     """
+    prefilled = generation_prompt.rstrip().endswith("<think>")
     rewards = []
     for completion in completions:
-        match = _THINK_ANSWER.fullmatch(completion_text(completion))
+        text = completion_text(completion)
+        match = _THINK_ANSWER.fullmatch(f"<think>{text}" if prefilled else text)
         ok = (
             match is not None
             and not _tags_nested(match.group(1))
