@@ -154,9 +154,15 @@ def _fit(
         if cfg.get("validate_before_fit"):
             # A resumed run starts from the checkpoint's weights, so that is the baseline to score; fit
             # below restores the checkpoint again (weights, optimizer, loops), so the resume is unchanged.
-            results = trainer.validate(
-                module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False
-            )
+            # Lightning's validate restores weights but not the step: a resumed run's loggers would get the
+            # checkpoint's scores at step 0, behind the steps they already hold (wandb drops them).
+            loggers, trainer.loggers = trainer.loggers, [] if ckpt_path else trainer.loggers
+            try:
+                results = trainer.validate(
+                    module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False
+                )
+            finally:
+                trainer.loggers = loggers
             initial = {k: float(v) for k, v in results[0].items()}
             log.info("Metrics before training (%s): %s", ckpt_path or "initial weights", initial)
         try:

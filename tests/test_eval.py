@@ -93,9 +93,14 @@ def test_validate_before_fit_scores_the_checkpoint_and_keeps_the_resume(sft_run,
     run, _ = sft_run
     ckpt = run / "ckpt" / "step2.ckpt"
     resume = [*COMMON, "trainer.max_steps=3", "trainer.val_check_interval=3", f"ckpt_path={ckpt}"]
-    _, checked = train(compose_train([*resume, "validate_before_fit=true"], tmp_path / "a"))
+    _, checked = train(compose_train([*resume, "validate_before_fit=true", "logger=csv"], tmp_path / "a"))
     evaluated = _evaluate([f"ckpt_path={ckpt}"], tmp_path / "eval")
     _assert_same(checked["initial_metrics"], evaluated["metrics"])
+    # The loggers get the resumed run's steps only: the checkpoint's scores are not logged at step 0.
+    (metrics_csv,) = (tmp_path / "a").rglob("metrics.csv")
+    header, *lines = metrics_csv.read_text().splitlines()
+    steps = [int(line.split(",")[header.split(",").index("step")]) for line in lines]
+    assert steps and 0 not in steps, steps
     # The baseline validation does not disturb the resume: same weights as a plain resumed run.
     _, plain = train(compose_train(resume, tmp_path / "b"))
     assert checked["trainer"].global_step == plain["trainer"].global_step == 3
