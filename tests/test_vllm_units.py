@@ -226,6 +226,15 @@ def test_adapter_sync_needs_lora_with_everything_else_frozen(tiny_path):
     next(p for n, p in vlm.model.named_parameters() if "lm_head" in n).requires_grad_(True)
     with pytest.raises(ValueError, match="lm_head.*train too"):
         adapter_engine_options(vlm)
+    # all-linear reaches LLaVA's projector, whose adapter vLLM dropped: its greedy outputs differed from HF's
+    llava = VLM(tiny_path("llava"), lora={"r": 8, "target_modules": "all-linear"}, freeze_vision_tower=True)
+    with pytest.raises(
+        ValueError, match=r"language model only, but .*multi_modal_projector.*weight_sync='merged'"
+    ):
+        adapter_engine_options(llava)
+    assert adapter_engine_options(VLM(tiny_path("llava"), lora={"r": 8}, freeze_vision_tower=True))[
+        "enable_lora"
+    ]
 
 
 def test_save_adapter_writes_what_peft_writes(tiny_path, tmp_path):

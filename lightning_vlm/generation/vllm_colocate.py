@@ -62,6 +62,17 @@ def adapter_engine_options(vlm: Any) -> dict[str, Any]:
             f"weight_sync='adapter' pushes only LoRA weights, but {trained[0]!r} (and {len(trained) - 1} "
             "more) train too; freeze them (e.g. model.lora.modules_to_save=null) or use weight_sync='merged'"
         )
+    # vLLM applies LoRA to the language model only (its tower/connector LoRA is experimental and off):
+    # adapters elsewhere (all-linear reaches LLaVA's projector) were dropped without a word, and vLLM
+    # sampled from another policy than the one trained (measured: greedy outputs differed from HF's).
+    language = {id(p) for p in vlm.language_model.parameters()}
+    outside = [n for n, p in vlm.model.named_parameters() if ".lora_" in n and id(p) not in language]
+    if outside:
+        raise ValueError(
+            f"weight_sync='adapter': vLLM applies LoRA adapters to the language model only, but {outside[0]!r} "
+            f"(and {len(outside) - 1} more) lies outside it (model.lora.target_modules); use weight_sync='merged', "
+            "or target the language model's layers only (target_modules=null)"
+        )
     config = vlm.model.peft_config[vlm.model.active_adapter]
     rank = 8  # vLLM accepts ranks 8, 16, 32, ...: the smallest that holds the adapter
     while rank < int(config.r):
