@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from datetime import datetime
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -51,12 +52,36 @@ def _run_stamp(pattern: str) -> str:
     return launch_id() or datetime.now().strftime(pattern)
 
 
+# Groups composed by other configs, never chosen on the command line: left out of --help.
+INTERNAL_GROUPS = ("hydra", "scale", "schema", "paths", "local")
+
+
+def _config_groups(sources: Any) -> str:
+    """The ``group: option, ...`` lines of ``--help``: the primary config folder's groups, without the
+    partial configs others build on (``_online``, ``_tiny``: a leading underscore) or internal groups."""
+    from pathlib import Path
+
+    folders = [s["path"].removeprefix("file://") for s in sources or [] if s.get("provider") == "main"]
+    if not folders or not Path(folders[0]).is_dir():
+        return "(config folder not found)"
+    lines = []
+    for group in sorted(
+        p for p in Path(folders[0]).iterdir() if p.is_dir() and p.name not in INTERNAL_GROUPS
+    ):
+        options = sorted(f.stem for f in group.glob("*.yaml") if not f.name.startswith("_"))
+        if options:
+            lines.append(f"{group.name}: {', '.join(options)}")
+    return "\n".join(lines)
+
+
 def register_resolvers() -> None:
     """Registers `${tiny_vlm:<family>[,random|<warm start>]}` (path of an offline tiny model, or of one of
     its SFT warm starts, ``warm_start.WARM_STARTS``) and `${run_stamp:<strftime pattern>}` (the run
     folder's name: :func:`launch_id`, else the time); safe to call twice."""
     if not OmegaConf.has_resolver("tiny_vlm"):
         OmegaConf.register_new_resolver("tiny_vlm", _tiny_vlm, use_cache=True)
+    if not OmegaConf.has_resolver("config_groups"):
+        OmegaConf.register_new_resolver("config_groups", _config_groups)
     if not OmegaConf.has_resolver("run_stamp"):
         # Cached like Hydra's ${now:}: the folder is named once per process.
         OmegaConf.register_new_resolver("run_stamp", _run_stamp, use_cache=True)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, group_options
 
 
 def _run(args: list[str], tmp_path) -> subprocess.CompletedProcess:
@@ -24,6 +24,18 @@ def _run(args: list[str], tmp_path) -> subprocess.CompletedProcess:
         timeout=600,
         stdin=subprocess.DEVNULL,  # a login prompt would hang; with no stdin it fails instead
     )
+
+
+def test_help_lists_the_options_to_choose_not_the_partials_they_build_on(tmp_path):
+    # Hydra's own list showed method=_online, model=_tiny, data=_base and the internal scale/schema groups.
+    proc = _run(["--help"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    groups = proc.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    lines = dict(line.split(": ", 1) for line in groups.splitlines() if ": " in line)
+    assert lines["method"].split(", ") == group_options("method")
+    assert "qwen2_5_vl" in lines["model"] and "_" + "tiny" not in lines["model"]
+    assert not {"scale", "schema", "hydra", "paths"} & lines.keys() and "_" + "base" not in lines["data"]
+    assert "task_name: sft" in proc.stdout  # the composed config follows
 
 
 @pytest.mark.slow
