@@ -200,3 +200,11 @@ def test_sampling_settings_take_their_length_from_the_argument_only():
     # a second length setting is refused, not silently checked against the first
     with pytest.raises(ValueError, match="max_completion_length"):
         SamplingSettings.of({"max_new_tokens": 4}, 12)
+
+
+def test_generation_configs_hold_no_flag_transformers_calls_invalid(vlms):
+    # The greedy config set top_k=0: every validation printed "The following generation flags are not
+    # valid and may be ignored: ['top_k']". strict=True raises where transformers would warn.
+    generator = HFGenerator(vlms("qwen2_5_vl"))
+    for sampling in (SamplingSettings(max_new_tokens=4, temperature=0.0), SamplingSettings(max_new_tokens=4)):
+        generator.generation_config(sampling).validate(strict=True)

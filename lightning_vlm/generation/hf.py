@@ -80,7 +80,9 @@ class HFGenerator(OwnWeightsGenerator):
             output_scores=True,
         )
         if sampling.greedy:
-            return GenerationConfig(do_sample=False, temperature=1.0, top_p=1.0, top_k=0, **common)
+            # Only what greedy search reads: sampling fields set here make transformers warn, on every
+            # validation, that they "may be ignored" (top_k=0).
+            return GenerationConfig(do_sample=False, **common)
         return GenerationConfig(
             do_sample=True,
             temperature=sampling.temperature,
