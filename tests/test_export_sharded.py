@@ -85,3 +85,17 @@ def test_the_folder_from_parts_is_save_pretrained_s(family, merge, tiny_path, tm
     # (PEFT adds a README.md stub to an adapter folder; ExportHFModel writes its own card when it pushes.)
     besides = {p.name for p in (tmp_path / "whole").iterdir() if p.suffix not in (".safetensors", ".md")}
     assert besides == {p.name for p in (tmp_path / "parts").iterdir() if p.suffix != ".safetensors"}
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
+def test_a_second_export_into_a_sharded_folder_leaves_no_stale_index(family, tiny_path, tmp_path):
+    # transformers removed the shards but kept the index: the renaming opened shards that were gone
+    # (LLaVA, Gemma 3), and other families left an index beside the single model.safetensors.
+    from lightning_vlm.models.weight_names import save_for_hf_and_vllm
+
+    model = VLM(tiny_path(family)).model
+    save_for_hf_and_vllm(model, tmp_path, "200KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    save_for_hf_and_vllm(model, tmp_path, None)
+    assert sorted(p.name for p in tmp_path.glob("model*.safetensors*")) == ["model.safetensors"]
+    assert load_file(tmp_path / "model.safetensors")

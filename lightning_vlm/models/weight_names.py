@@ -63,6 +63,9 @@ def save_for_hf_and_vllm(
     if isinstance(model, PeftModel):  # adapter_model.safetensors, never sharded
         model.save_pretrained(out_dir)
         return
+    # transformers removes an earlier export's shards but not its index: a stale index beside a single
+    # model.safetensors misleads loaders, and the renaming below would open shards that are gone.
+    (Path(out_dir) / WEIGHTS_INDEX).unlink(missing_ok=True)
     model.save_pretrained(out_dir, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
     if not family_of(model.config).vllm_vision_model_prefix:
         return
