@@ -217,3 +217,11 @@ def test_column_map_renames_instead_of_copying(tmp_path):
     # a swap still reads each column once, under its new name
     fmt = RowFormat("prompt", column_map={"a": "b", "b": "a"})
     assert fmt.fill({"a": 1, "b": 2, "c": 3}) == {"a": 2, "b": 1, "c": 3}
+
+
+def test_column_map_keeps_our_column_on_rows_without_the_mapped_one():
+    # {image: images} dropped the images of a row that already had "images" (silently, a text-only row),
+    # and {question: prompt} failed rows written with "prompt" as missing their prompt.
+    fmt = RowFormat("prompt", column_map={"image": "images", "question": "prompt"})
+    assert fmt.fill({"prompt": "P", "images": ["a", "b"]}) == {"prompt": "P", "images": ["a", "b"]}
+    assert fmt.fill({"question": "Q", "image": "a"}) == {"prompt": "Q", "images": "a"}

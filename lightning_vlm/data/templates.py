@@ -44,8 +44,11 @@ def rename(row: Mapping, column_map: Mapping[str, str]) -> dict:
     ``{image: images}`` would leave a row with both image columns."""
     if not column_map:
         return dict(row)
-    out = {k: v for k, v in row.items() if k not in column_map and k not in column_map.values()}
-    out.update({column_map.get(k, k): v for k, v in row.items() if k in column_map})
+    # Only columns this row has replace ours: a row already written with our name keeps it.
+    present = {k for k in column_map if row.get(k) is not None}
+    replaced = {column_map[k] for k in present}
+    out = {k: v for k, v in row.items() if k not in column_map and k not in replaced}
+    out.update({column_map[k]: row[k] for k in present})
     return out
 
 
