@@ -109,12 +109,10 @@ def _check_online(method: Any, data: Any) -> None:
     top_k = sampling.get("top_k")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 0):
         raise ValueError(f"method.sampling.top_k must be >= 0 or null (0 or null: off), got {top_k!r}")
-    prompts, generations = data.get("batch_size"), method.get("num_generations")
-    steps = method.get("steps_per_generation", 1)
-    dynamic = DynamicSampling.of(_rounds_only(method.get("dynamic_sampling")))
-    if all(isinstance(v, int) and v >= 1 for v in (prompts, generations, steps)):
-        # With dynamic sampling a step trains on one round of the pool, not on the whole batch.
-        groups = dynamic.round_size(prompts)
+    layout = _generation_layout(method, data)
+    if layout is not None:
+        groups, generations, steps, dynamic = layout
+        prompts = data.get("batch_size")
         if "num_candidates" in method and groups % steps:
             # Online DPO trains on pairs (one per prompt); a pair never spans two steps.
             raise ValueError(
@@ -149,11 +147,10 @@ def _check_online_trainer(trainer: Any, method: Any, data: Any) -> None:
     micro = method.get("micro_batch_size")
     if "deepspeed" not in target.lower() or micro is None:
         return
-    prompts, generations = data.get("batch_size"), method.get("num_generations")
-    steps = method.get("steps_per_generation", 1)
-    if not all(isinstance(v, int) and v >= 1 for v in (prompts, generations, steps, micro)):
+    layout = _generation_layout(method, data)
+    if layout is None or not isinstance(micro, int) or micro < 1:
         return  # other checks name these; the method refuses several micro-batches at its first step
-    groups = DynamicSampling.of(_rounds_only(method.get("dynamic_sampling"))).round_size(prompts)
+    groups, generations, steps, _ = layout
     per_step = groups * generations // steps
     if micro < per_step:
         raise ValueError(
@@ -162,6 +159,18 @@ def _check_online_trainer(trainer: Any, method: Any, data: Any) -> None:
             "method.micro_batch_size=null with trainer=deepspeed_* (to bound activation memory, lower "
             "data.batch_size or raise method.steps_per_generation instead)"
         )
+
+
+def _generation_layout(method: Any, data: Any) -> tuple[int, int, int, DynamicSampling] | None:
+    """The groups a generation trains on, ``num_generations``, ``steps_per_generation`` and the dynamic
+    sampling settings; None unless the three counts are integers >= 1 (other checks name them).
+    With dynamic sampling a generation trains on one round of the pool, not on the whole batch."""
+    prompts, generations = data.get("batch_size"), method.get("num_generations")
+    steps = method.get("steps_per_generation", 1)
+    dynamic = DynamicSampling.of(_rounds_only(method.get("dynamic_sampling")))
+    if not all(isinstance(v, int) and v >= 1 for v in (prompts, generations, steps)):
+        return None
+    return dynamic.round_size(prompts), generations, steps, dynamic
 
 
 # Sampling settings that reshape the distribution vLLM samples from, and their neutral values.
