@@ -253,7 +253,7 @@ def test_a_hub_or_saved_dataset_with_json_text_fields_is_warned_about(folder, mo
     rows = [answered("red")]
     (folder / "t.jsonl").write_text(json.dumps(rows[0]))
     arrow = datasets.load_dataset("json", data_files=str(folder / "t.jsonl"), split="train")
-    monkeypatch.setattr(sources, "_load_dataset", lambda name, subset, split: arrow)
+    monkeypatch.setattr(sources, "load_hf_dataset", lambda name, subset, split: arrow)
     assert len(sources.load_source("org/vqa", "sft").rows) == 1
     assert "org/vqa [train]: some field changes type" in caplog.text
     # a save_to_disk copy holds datasets' JSON text: warned about the same way

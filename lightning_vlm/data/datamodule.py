@@ -20,10 +20,11 @@ import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_vlm.data.images import WHITE
+from lightning_vlm.data.loaded import Source
 from lightning_vlm.data.resumable import ResumableDataLoader
 from lightning_vlm.data.rows import RowError
 from lightning_vlm.data.skips import NoRowsError, SkippedRow, collate_rows, require_rows, scan
-from lightning_vlm.data.sources import Source, load_source, plain
+from lightning_vlm.data.sources import load_source, plain
 from lightning_vlm.data.templates import RowFormat
 from lightning_vlm.data.unpair import UnpairedView, unpair
 from lightning_vlm.data.val_batches import BatchedRows, ShardBatches
@@ -61,7 +62,7 @@ class RowDataset(Dataset):
         index = self.indices[i]
         try:
             return self.row_format.load(
-                self.source.rows[index], index, self.source.name, self.source.base_dir
+                self.source.rows[index], index, self.source.name, self.source.dir_of(index)
             )
         except RowError as e:
             if self.on_bad_row == "error":
@@ -75,7 +76,7 @@ class RowDataset(Dataset):
     def normalized(self) -> list[dict]:
         """Every row normalised, images left undecoded: for cheap passes over the text (answer lengths)."""
         source, fmt = self.source, self.row_format
-        return [fmt.normalize(source.rows[i], i, source.name, source.base_dir, False) for i in self.indices]
+        return [fmt.normalize(source.rows[i], i, source.name, source.dir_of(i), False) for i in self.indices]
 
 
 class VLMDataModule(L.LightningDataModule):

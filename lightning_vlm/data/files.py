@@ -18,7 +18,7 @@ import codecs
 import gzip
 import json
 import lzma
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -33,6 +33,11 @@ _CHUNK = 1 << 24  # bytes per read of the UTF-8 check
 
 class SourceError(RuntimeError):
     """A source could not be found or loaded; the message says which and what to try instead."""
+
+
+class JsonOnlyPythonReads(SourceError):
+    """A JSON file every line of which Python's json reads, that ``datasets`` still cannot load (a
+    field changing type beside a blank line): a reader of rows as written can take it from here."""
 
 
 def _snippet(text: str) -> str:
@@ -187,10 +192,11 @@ def load_file(path: Path) -> Any:
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as e:  # the loaders raise many types (ArrowInvalid, StopIteration, ...)
         problem = json_problem(path) if builder == "json" else None
-        if problem is None:  # nothing we can pin down: the parser's own words, with the file
-            root = _innermost(e)
-            problem = f"could not be read as {builder} data: {type(root).__name__}: {root}"
-        raise SourceError(f"{path}: {problem}") from e
+        if problem is not None:
+            raise SourceError(f"{path}: {problem}") from e
+        root = _innermost(e)  # nothing we can pin down: the parser's own words, with the file
+        error = JsonOnlyPythonReads if builder == "json" else SourceError
+        raise error(f"{path}: could not be read as {builder} data: {type(root).__name__}: {root}") from e
 
 
 def has_json_feature(feature: Any) -> bool:
@@ -255,6 +261,16 @@ def pick_rows(split: str, sizes: Mapping[str, int], where: str) -> list[tuple[st
             "'train[:80%]' and 'train[80%:]'"
         ) from e
     return [(i.splitname, range(i.from_, i.to)) for i in instructions]
+
+
+def row_dirs(
+    files: Mapping[str, Sequence[Path]], counts: Mapping[Path, int], split: str, where: str
+) -> list[Path]:
+    """The folder of the data file each row of ``split`` comes from, in the order ``pick_rows`` picks the
+    rows of these splits (``files``: split -> its files in order; ``counts``: rows per file)."""
+    per_split = {s: [f.parent for f in fs for _ in range(counts[f])] for s, fs in files.items()}
+    picks = pick_rows(split, {s: len(dirs) for s, dirs in per_split.items()}, where)
+    return [per_split[s][i] for s, indices in picks for i in indices]
 
 
 def select_rows(splits: Mapping[str, Any], split: str, where: str) -> Any:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from lightning_vlm.data.rows import RowError
 
 if TYPE_CHECKING:  # sources/templates import datasets machinery; only their types are needed here
-    from lightning_vlm.data.sources import Source
+    from lightning_vlm.data.loaded import Source
     from lightning_vlm.data.templates import RowFormat
 
 logger = logging.getLogger("lightning_vlm.data")
@@ -57,7 +57,7 @@ def scan(
         if index >= total:
             break
         try:
-            row_format.normalize(row, index, source.name, source.base_dir)
+            row_format.normalize(row, index, source.name, source.dir_of(index))
         except RowError as e:
             if on_bad_row == "error":
                 raise

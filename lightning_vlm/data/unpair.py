@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 
-from lightning_vlm.data.sources import Source
+from lightning_vlm.data.loaded import Source
 from lightning_vlm.data.templates import BadRow
 
 log = logging.getLogger(__name__)
@@ -95,4 +95,6 @@ def unpair(source: Source, column_map: Mapping[str, str]) -> Source:
         2 * len(source.rows),
     )
     name = f"{source.name}, unpaired (row 2i: pair i's chosen answer, row 2i+1: its rejected one)"
-    return Source(UnpairedView(source.rows, column_map), name, source.base_dir, source.trusted)
+    # Both rows of pair i come from its file: their images start beside it.
+    dirs = None if source.row_dirs is None else [d for d in source.row_dirs for _ in range(2)]
+    return Source(UnpairedView(source.rows, column_map), name, source.base_dir, source.trusted, dirs)

@@ -1,0 +1,119 @@
+"""Plain folders of data files (``train.jsonl``, ``validation.jsonl``, ``data/train-*.parquet``) as a
+source: ``datasets`` infers the builder and the splits from the file names, and we read JSON files as
+written where its JSON text would change them. Relative image paths start beside each row's own data
+file, as for that file given alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from lightning_vlm.data.files import (
+    ARCHIVE_ERRORS,
+    FILE_BUILDERS,
+    SourceError,
+    data_suffix,
+    has_json_feature,
+    json_problem,
+    json_rows_readable,
+    load_file,
+    pick_rows,
+    read_json_rows,
+    row_dirs,
+    split_names,
+)
+from lightning_vlm.data.loaded import DatasetRows, Source, load_hf_dataset, logger, warn_json_text
+
+
+def from_folder(folder: Path, subset: str | None, split: str) -> Source:
+    """A plain folder of data files: the datasets library infers the builder and the splits from the
+    file names (``train.jsonl``, ``validation.jsonl``, ...). Relative image paths start beside each
+    row's data file, as for a file given alone (``data/train.jsonl`` next to ``data/a.png``)."""
+    name = f"{folder} [{split}]"
+    try:
+        dataset = load_hf_dataset(str(folder), subset, split, folder=True)
+    except SourceError:
+        try:
+            named = _folder_files(folder, subset, split)
+        except Exception:  # no data files datasets can name, say: its load error says it best
+            named = None
+        if named is None or not _json_as_written(named) or any(map(json_problem, _files(named))):
+            raise
+        # datasets' JSON reader fails on some files Python's json reads row by row (a field that
+        # changes type, beside a blank line): read those as written.
+        return _rows_as_written(folder, named, _spelt(split, named), name, None)
+    named = _folder_files(folder, subset, split)
+    if has_json_feature(dataset.features):
+        if named is not None and _json_as_written(named):
+            try:
+                return _rows_as_written(folder, named, _spelt(split, named), name, len(dataset))
+            except (ValueError, *ARCHIVE_ERRORS) as e:  # a file datasets read by its content, not its name
+                logger.warning("%s: could not re-read %s with Python's json (%s)", name, list(named), e)
+        warn_json_text(name)  # a zip or zstd archive, or a spec we do not follow: datasets' rows, said so
+    if named is None:
+        return Source(DatasetRows(dataset), name, folder)
+    parents = {f.parent for f in _files(named)}
+    if len(parents) == 1:
+        return Source(DatasetRows(dataset), name, parents.pop())
+    if not all(data_suffix(f) in FILE_BUILDERS for f in _files(named)):
+        # Files of an image folder (datasets resolves their paths itself) or another builder's.
+        return Source(DatasetRows(dataset), name, folder)
+    counts = {f: len(load_file(f)) for f in _files(named)}
+    dirs = row_dirs(named, counts, _spelt(split, named), name)
+    _check_rows(name, folder, len(dataset), len(dirs))
+    return Source(DatasetRows(dataset), name, folder, row_dirs=dirs)
+
+
+def _folder_files(folder: Path, subset: str | None, split: str) -> dict[str, list[Path]] | None:
+    """The data files of each split that ``split`` reads from a plain folder, in datasets' order (the
+    order "all" reads them in); None for a spec we do not follow (one naming a split they do not give)."""
+    import datasets
+
+    data_files = datasets.load_dataset_builder(str(folder), name=subset).config.data_files
+    named = {str(s): [Path(f) for f in files] for s, files in data_files.items()}
+    wanted = set(named) if split == "all" else split_names(split)
+    if wanted - set(named):
+        return None
+    return {s: files for s, files in named.items() if s in wanted}
+
+
+def _spelt(split: str, named: Mapping[str, list[Path]]) -> str:
+    """``split`` with "all" spelt out as datasets reads it: every split, in order."""
+    return "+".join(named) if split == "all" else split
+
+
+def _files(named: Mapping[str, list[Path]]) -> list[Path]:
+    return [f for files in named.values() for f in files]
+
+
+def _json_as_written(named: Mapping[str, list[Path]]) -> bool:
+    """Whether Python's json reads all these files (not a zip or zstd archive)."""
+    return all(json_rows_readable(f) for f in _files(named))
+
+
+def _rows_as_written(
+    folder: Path, named: Mapping[str, list[Path]], split: str, name: str, expected: int | None
+) -> Source:
+    """The rows ``split`` reads from a folder's JSON files as Python's json reads them (held in memory),
+    each with the folder of its file; ``expected``: how many rows datasets read, if it read them."""
+    per_file = {f: read_json_rows(f) for f in _files(named)}
+    read = {s: [row for f in files for row in per_file[f]] for s, files in named.items()}
+    rows = [
+        read[s][i]
+        for s, indices in pick_rows(split, {s: len(r) for s, r in read.items()}, name)
+        for i in indices
+    ]
+    if expected is not None:
+        _check_rows(name, folder, expected, len(rows))
+    dirs = row_dirs(named, {f: len(r) for f, r in per_file.items()}, split, name)
+    return Source(rows, name, folder, row_dirs=dirs)
+
+
+def _check_rows(name: str, folder: Path, by_datasets: int, by_files: int) -> None:
+    """The files we read must be the ones datasets read: never guess which row is which."""
+    if by_datasets != by_files:
+        raise SourceError(
+            f"{name}: datasets read {by_datasets} rows from {folder}, the split's files one by one "
+            f"{by_files}; pass the split's files one at a time to find the one that differs"
+        )

@@ -1,0 +1,112 @@
+"""Plain folders of data files, and JSON files only Python's json reads: a row's relative image paths
+start beside its own data file (as for that file given alone), and a field that changes type between
+rows loads whatever else the file holds (blank lines)."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+from PIL import Image
+
+from lightning_vlm.data import PromptDataModule, SourceError, UnpairedDataModule, sources
+
+
+@pytest.fixture(autouse=True)
+def hf_cache(tmp_path, monkeypatch):
+    """Keep the json/parquet builders' Arrow cache inside the test's folder."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+
+
+COLOURS = {"train": (255, 0, 0), "validation": (0, 0, 255)}
+
+
+def write_rows(path, rows: list[dict], kind: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "parquet":
+        datasets.Dataset.from_list(rows).to_parquet(str(path.with_suffix(".parquet")))
+    else:
+        path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def split_folders(root, kind: str) -> None:
+    """``root/<split>/part.jsonl`` (or .parquet) beside its own ``a.png``, red for train, blue for
+    validation: the same relative path names a different image in each folder."""
+    for split, colour in COLOURS.items():
+        (root / split).mkdir(parents=True)
+        Image.new("RGB", (8, 8), colour).save(root / split / "a.png")
+        # "mixed": a solution that is a number in one row and a string in the next (datasets' JSON text)
+        solutions = [1, "s"] if kind == "mixed" else ["s", "t"]
+        rows = [{"prompt": f"{split}{i}", "image": "a.png", "solution": s} for i, s in enumerate(solutions)]
+        write_rows(root / split / "part.jsonl", rows, kind)
+
+
+def pixels(source) -> list[tuple]:
+    """The top-left pixel of each row's image, loaded as training loads it."""
+    dm = PromptDataModule(train=source, val_fraction=None, shuffle=False)
+    dm.setup("fit")
+    return [dm.train_dataset[i]["images"][0].getpixel((0, 0)) for i in range(len(dm.train_dataset))]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "mixed", "parquet"])
+def test_a_folder_reads_each_rows_images_beside_its_own_data_file(tmp_path, kind):
+    split_folders(tmp_path / "root", kind)
+    red, blue = COLOURS["train"], COLOURS["validation"]
+    root = str(tmp_path / "root")
+    assert pixels(root) == [red, red]
+    assert pixels({"path": root, "split": "validation"}) == [blue, blue]
+    assert pixels({"path": root, "split": "validation[1:]+train[:1]"}) == [blue, red]
+    assert pixels({"path": root, "split": "all"}) == [red, red, blue, blue]
+
+
+def test_a_folder_with_its_files_in_a_subfolder_reads_images_beside_them(tmp_path):
+    # The layout of a Hub repository: root/data/train.jsonl next to root/data/a.png.
+    (tmp_path / "root" / "data").mkdir(parents=True)
+    Image.new("RGB", (8, 8), (0, 255, 0)).save(tmp_path / "root" / "data" / "a.png")
+    write_rows(tmp_path / "root" / "data" / "train.jsonl", [{"prompt": "q", "image": "a.png"}] * 3, "jsonl")
+    assert pixels(str(tmp_path / "root")) == [(0, 255, 0)] * 3
+    # the same file given alone reads the same images
+    assert pixels(str(tmp_path / "root" / "data" / "train.jsonl")) == [(0, 255, 0)] * 3
+
+
+def test_kto_pairs_of_a_folder_read_their_images_beside_their_file(tmp_path):
+    for split, colour in COLOURS.items():
+        (tmp_path / "root" / split).mkdir(parents=True)
+        Image.new("RGB", (8, 8), colour).save(tmp_path / "root" / split / "a.png")
+        pair = {"prompt": f"{split}?", "chosen": "yes", "rejected": "no", "image": "a.png"}
+        write_rows(tmp_path / "root" / split / "pairs.jsonl", [pair], "jsonl")
+    dm = UnpairedDataModule(
+        train={"path": str(tmp_path / "root"), "split": "all"}, val_fraction=None, shuffle=False
+    )
+    dm.setup("fit")
+    got = [dm.train_dataset[i]["images"][0].getpixel((0, 0)) for i in range(len(dm.train_dataset))]
+    red, blue = COLOURS["train"], COLOURS["validation"]
+    assert got == [red, red, blue, blue]  # pair i's chosen and rejected rows share its file's image
+
+
+def mixed_with_blank_line() -> str:
+    rows = [{"prompt": "q0", "solution": 1}, {"prompt": "q1", "solution": "s"}]
+    return json.dumps(rows[0]) + "\n\n" + json.dumps(rows[1]) + "\n"
+
+
+def test_a_field_changing_type_beside_a_blank_line_loads_as_written(tmp_path):
+    # datasets' JSON reader fails on this file ("changed from number to string"); Python's json reads it.
+    (tmp_path / "mixed.jsonl").write_text(mixed_with_blank_line())
+    rows = sources.load_source(str(tmp_path / "mixed.jsonl"), "prompt").rows
+    assert [(r["prompt"], r["solution"]) for r in rows] == [("q0", 1), ("q1", "s")]
+    rows = sources.load_source({"path": str(tmp_path / "mixed.jsonl"), "split": "train[1:]"}, "prompt").rows
+    assert [r["solution"] for r in rows] == ["s"]
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "train.jsonl").write_text(mixed_with_blank_line())
+    rows = sources.load_source(str(tmp_path / "root"), "prompt").rows
+    assert [(r["prompt"], r["solution"]) for r in rows] == [("q0", 1), ("q1", "s")]
+
+
+def test_a_broken_json_line_still_names_its_line_in_a_folder(tmp_path):
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "train.jsonl").write_text('{"prompt": "q0", "solution": 1}\n\n{"prompt": "q1",\n')
+    with pytest.raises(SourceError, match="could not load split 'train' of the data files"):
+        sources.load_source(str(tmp_path / "root"), "prompt")
+    with pytest.raises(SourceError, match="line 3, column"):
+        sources.load_source(str(tmp_path / "root" / "train.jsonl"), "prompt")
