@@ -310,6 +310,13 @@ def test_exif_orientation_is_applied_as_datasets_does(tmp_path):
     dm = SFTDataModule(train=str(tmp_path / "saved"))
     dm.setup()
     assert dm.train_dataset[0]["images"][0].size == (20, 40)
+    # A PIL image handed over in a row is turned upright too, as transformers' load_image turns one,
+    # and only once: the upright image no longer carries the tag.
+    from lightning_vlm.data.images import open_image
+
+    with Image.open(tmp_path / "photo.jpg") as opened:
+        upright = open_image(opened)
+    assert upright.size == (20, 40) and open_image(upright).size == (20, 40)
 
 
 def test_a_decompression_bomb_is_a_corrupt_image_naming_its_row(tmp_path, monkeypatch, caplog):

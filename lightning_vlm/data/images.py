@@ -30,6 +30,7 @@ from lightning_vlm.data.rows import ImageRef, RowError, normalize_row
 
 RGB = tuple[int, int, int]
 WHITE: RGB = (255, 255, 255)
+_ORIENTATION = 0x0112  # the EXIF tag saying how a stored image is turned
 ALPHA_MODES: frozenset[str] = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
 _SIXTEEN_BIT = 65535
 
@@ -105,7 +106,11 @@ def open_image(
     transformers' ``load_image`` do; a missing, corrupt or too large file raises RowError naming the row."""
     try:
         if isinstance(ref, Image.Image):
-            return to_rgb(ref, background)
+            # A PIL image in a row (opened by the user) is turned upright too, as transformers'
+            # load_image turns one; not in place (it is the caller's), and the upright copy carries no
+            # tag, so a second pass leaves it be.
+            upright = ImageOps.exif_transpose(ref) if ref.getexif().get(_ORIENTATION, 1) != 1 else ref
+            return to_rgb(upright, background)
         with Image.open(io.BytesIO(ref) if isinstance(ref, bytes) else ref) as image:
             image.load()  # decode now, so a truncated file fails here and not inside the model
             # A phone photo is stored sideways with an EXIF tag saying how to turn it; the models are
