@@ -166,3 +166,16 @@ def test_recorder_keeps_one_batch_per_request():
     recorder.record("val", [sample])
     assert not recorder.wants("val")  # later validation batches record nothing
     assert recorder.take("val") == [sample] and recorder.take("val") == []
+
+
+def test_a_second_write_at_the_same_step_keeps_each_lines_own_image(tmp_path):
+    # A run resumed into its own folder logs again at steps it logged before the stop: the earlier
+    # lines must still show their own images, not the later write's.
+    from lightning_vlm.callbacks.completions import JSONL_NAME, append_jsonl
+
+    for colour in ("red", "blue"):
+        sample = CompletionSample("Q", "A", Image.new("RGB", (4, 4), colour), {"reward": 1.0})
+        append_jsonl(tmp_path, "train", 3, [sample])
+    lines = [json.loads(line) for line in (tmp_path / JSONL_NAME).read_text().splitlines()]
+    pixels = [Image.open(tmp_path / line["image"]).getpixel((0, 0)) for line in lines]
+    assert pixels == [(255, 0, 0), (0, 0, 255)]

@@ -150,9 +150,13 @@ def append_jsonl(root: Path, stage: str, step: int, samples: list[CompletionSamp
     """Append one JSON line per sample to ``root/completions.jsonl``; images saved once as PNGs."""
     paths: dict[int, str] = {}
     lines = []
+    prefix = f"{stage}-step{step:06d}"
+    # Numbered after the step's images already there: a run resumed into its folder logs some steps
+    # again, and the earlier lines keep pointing at their own images.
+    first = len(list((root / IMAGE_DIR).glob(f"{prefix}-*.png")))
     for s in samples:
         if s.image is not None and id(s.image) not in paths:
-            relative = f"{IMAGE_DIR}/{stage}-step{step:06d}-{len(paths):03d}.png"
+            relative = f"{IMAGE_DIR}/{prefix}-{first + len(paths):03d}.png"
             (root / IMAGE_DIR).mkdir(parents=True, exist_ok=True)
             s.image.save(root / relative)
             paths[id(s.image)] = relative
