@@ -322,6 +322,19 @@ EQUIVALENCE: dict[str, list[str]] = {
     ],  # fmt: skip
     "rloo": ["method=rloo", *ONLINE, "method.normalize_advantages=true"],
     "online_dpo": ["method=online_dpo", *ONLINE, "method.num_generations=2"],
+    # The first batch as in grpo_skipped_row (rank 0: rows 0 and 2, rank 1: row 1), rows 0 and 1 tied:
+    # rank 0 has half its pairs valid, rank 1 none, the three rows one in three. The loss and the logged
+    # fraction are over every rank's pairs (a mean of the ranks' fractions would say one in four).
+    "online_dpo_skipped_row": [
+        "method=online_dpo",
+        *GENERATION,
+        "method.num_generations=2",
+        "method.reward_funcs=[online_helpers.tie_marked_reward_fn]",
+        "data.train=${oc.env:DDP_TEST_DATA}/prompt_skip.jsonl",
+        "data.shuffle=false",
+        "data.on_bad_row=skip",
+        "trainer.max_steps=1",
+    ],  # fmt: skip
 }
 ONE_PROCESS = ["data.batch_size=4"]
 TWO_PROCESSES = ["data.batch_size=2", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]

@@ -98,6 +98,14 @@ SAME_LOGGED_METRICS = (
     "kto_apo_zero",
 )
 
+# Online metrics of a batch whose ranks hold unequal shares: pooled over every rank's items, not a mean of
+# the ranks' means (ddp_helpers.EQUIVALENCE names the rows).
+# With the value one process logs where it is known by hand (None: as one process logs it). The
+# candidates' mean reward: 3 prompts' 4 candidates, the tied rows' all 0 (the ranks' means: 0.875, 0).
+POOLED_ONLINE_METRICS = {
+    "online_dpo_skipped_row": {"train/valid_pair_frac": 1 / 3, "train/candidates/reward": None}
+}
+
 
 @pytest.mark.parametrize(
     ("strategy", "name"), [("ddp", n) for n in EQUIVALENCE] + [("fsdp", n) for n in FSDP_EQUIVALENCE]
@@ -126,6 +134,12 @@ def test_two_processes_update_like_one(strategy, name, two_processes, tiny_path,
     assert moved > 1e-2, f"{name}: the weights hardly moved ({moved:.2e}); the comparison would be vacuous"
     for key, value in one.items():
         torch.testing.assert_close(two[key], value, atol=ATOL.get(name, 1e-5), rtol=0, msg=f"{name}: {key}")
+    if strategy == "ddp" and name in POOLED_ONLINE_METRICS:
+        logged = json.loads((two_processes / f"{name}.metrics.json").read_text())
+        for key, expected in POOLED_ONLINE_METRICS[name].items():
+            if expected is not None:
+                assert metrics[key] == pytest.approx(expected), f"{name}: {key} on one process"
+            assert logged[key] == pytest.approx(metrics[key]), f"{name}: {key} on 2 processes"
     if strategy == "ddp" and name in SAME_LOGGED_METRICS:
         logged = json.loads((two_processes / f"{name}.metrics.json").read_text())
         steps = {k: v for k, v in metrics.items() if k.startswith(("train/", "val/"))}

@@ -30,6 +30,7 @@ from lightning_vlm.methods.online_kwargs import OnlineKwargs
 from lightning_vlm.methods.online_metrics import log_synced
 from lightning_vlm.methods.rollout_buffer import RolloutBatch, Step
 from lightning_vlm.models.vlm import VLM
+from lightning_vlm.parallel.collectives import pooled_means
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
 
@@ -124,7 +125,10 @@ class OnlineDPO(OnlineRL):
             return rollouts, per_function
         rewards = self.train_rewards(rollouts, per_function)
         index = best_and_worst(rewards, k)
-        log_synced(self, {"train/candidates/reward": torch.nanmean(rewards)}, len(pool))
+        # Over every rank's scored candidates (a rank short of prompts weighs less), as one process.
+        scored = ~rewards.isnan()
+        mean = pooled_means({"reward": torch.nanmean(rewards)}, scored.sum())["reward"]
+        log_synced(self, {"train/candidates/reward": mean}, len(pool))
         picked = select_completions(rollouts, range(len(rollouts.rows)), index, 2)
         return picked, per_function[torch.tensor(index)]
 
@@ -137,7 +141,9 @@ class OnlineDPO(OnlineRL):
         first_chosen = pairs[:, 0] > pairs[:, 1]
         batch.extras.update(pair_valid=valid, first_chosen=first_chosen)
         sign = torch.stack([first_chosen, ~first_chosen], -1).to(rewards.dtype) * 2 - 1
-        self.log("train/valid_pair_frac", valid.float().mean(), batch_size=len(pairs), sync_dist=True)
+        # Over every rank's pairs: a rank short of prompts (an uneven last batch) weighs less.
+        frac = pooled_means({"frac": valid.float().mean()}, len(pairs))["frac"]
+        log_synced(self, {"train/valid_pair_frac": frac}, len(pairs))
         return (sign * valid.unsqueeze(-1)).reshape(-1)
 
     def step_counts(self, batch: RolloutBatch, index: torch.Tensor) -> dict[str, torch.Tensor]:
