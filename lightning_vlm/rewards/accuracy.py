@@ -10,7 +10,10 @@ from typing import Any
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S | re.I)
 _CHOICE = re.compile(r"^\(?([A-Za-z])[\).:]?$")
 _PUNCT = str.maketrans("", "", string.punctuation)
-_UNSIGNED = r"(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?"
+# Comma thousands only where they can be one: groups of exactly three after a first group that does
+# not start with 0, and not inside a comma list ("[112,0,224,112]" holds 224 and 112, not 224112).
+THOUSANDS = r"(?<!\d,)[1-9]\d{0,2}(?:,\d{3})+(?!\d|,\d)"
+_UNSIGNED = rf"(?:{THOUSANDS}(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?"
 # A number: sign (U+2212 too), comma thousands, decimals, exponent, an optional "/ denominator". Not
 # right after a letter, "^" or "_": a unit's exponent or a name ("m2", "cm^2", "H2O") is no number; nor
 # the rest of one (".5" of "Qwen2.5", ".2" of "v1.2.3": a digit or "." then a digit is inside a name).

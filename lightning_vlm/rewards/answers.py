@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from lightning_vlm.rewards.accuracy import NUMBER, extract_answer, latex_numbers, number_value
+from lightning_vlm.rewards.accuracy import NUMBER, THOUSANDS, extract_answer, latex_numbers, number_value
 
 if TYPE_CHECKING:
     from lightning_vlm.rewards.builtin import Completion
@@ -33,7 +33,8 @@ NUMBER_WORDS: dict[str, int] = {
 COUNT_WORDS: dict[str, int] = {**NUMBER_WORDS, "none": 0}
 # A hyphen on either side means a compound ("twenty-one"), outside the words counted.
 _COUNT = re.compile(
-    r"(?<![\w.])(\d+(?:\.\d+)?)(?!\w)|(?<![\w-])(" + "|".join(COUNT_WORDS) + r")(?![\w-])", re.I
+    rf"(?<![\w.])((?:{THOUSANDS}|\d+)(?:\.\d+)?)(?!\w)|(?<![\w-])(" + "|".join(COUNT_WORDS) + r")(?![\w-])",
+    re.I,
 )
 
 
@@ -44,8 +45,13 @@ def score_with_reference(
     columns: dict[str, Any],
     read_reference: Callable[[Any], Ref],
     score: Callable[[str, Ref], float],
+    lists: bool = True,
 ) -> list[float | None]:
     """The loop every reference-based reward shares: checks the column, skips missing cells, reads each solution.
+
+    A solution that is a list of strings is a list of accepted answers, as in ``answers_match``: the
+    reward is the best score over them (blank ones skipped; all blank is a missing cell). ``lists=False``
+    for a reward whose one reference may be a list (a box as four numbers).
 
     ``read_reference`` raises ``ValueError`` for a solution it cannot read; the error is re-raised
     with the reward's name and the row index, since a bad reference is a dataset problem to fix.
@@ -62,21 +68,30 @@ def score_with_reference(
         )
     rewards: list[float | None] = []
     for row, (completion, reference) in enumerate(zip(completions, solution, strict=True)):
-        if _missing(reference):
+        accepted = (
+            [r for r in reference if not _missing(r)] if _is_answer_list(reference, lists) else [reference]
+        )
+        if not accepted or _missing(accepted[0]):
             rewards.append(None)
             continue
         try:
-            ref = read_reference(reference)
+            refs = [read_reference(r) for r in accepted]
         except ValueError as err:
             raise ValueError(f"{name}: row {row}: {err}") from err
-        rewards.append(score(completion_text(completion), ref))
+        text = completion_text(completion)
+        rewards.append(max(score(text, ref) for ref in refs))
     return rewards
+
+
+def _is_answer_list(reference: Any, lists: bool) -> bool:
+    """Whether ``reference`` is a list of accepted answers (VQA's "answers" column: any one is right)."""
+    return lists and isinstance(reference, list | tuple) and all(isinstance(r, str) for r in reference)
 
 
 def parse_counts(text: str) -> list[float]:
     """Every count the answer names, in order: digits ("3", "3.0"), number words zero..twenty, or "none" (0)."""
     return [
-        float(digits) if digits is not None else float(COUNT_WORDS[word.lower()])
+        float(digits.replace(",", "")) if digits is not None else float(COUNT_WORDS[word.lower()])
         for digits, word in (m.groups() for m in _COUNT.finditer(extract_answer(text)))
     ]
 
@@ -132,7 +147,7 @@ def parse_number(text: str) -> float | None:
     """The first number in the answer, or None.
 
     Accepted: an optional sign, digits with optional decimals (".5", "2.50"), comma thousands
-    separators in groups of three ("1,234.5"), an exponent ("1e-3") and fractions ("3/4",
+    separators in groups of three ("1,234.5"; not inside a comma list: "[112,0,224,112]" is four numbers), an exponent ("1e-3") and fractions ("3/4",
     "-1/2"; a zero denominator reads as no number), with "-" or the Unicode minus "−". A percent sign
     is ignored: "50%" is 50, so write percentages the same way in the solution. Spaces as thousands
     separators are not. Digits right after a letter or "^" belong to a word or unit ("m2", "cm^2",

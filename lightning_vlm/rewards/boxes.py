@@ -126,6 +126,12 @@ def _clip(box: Box, coordinates: str) -> Box:
     return (x1, y1, x2, y2)
 
 
+def _beyond(box: Box, coordinates: str) -> bool:
+    """Whether ``box`` lies wholly past an edge of the valid range (a point or line there too)."""
+    limit = COORDINATE_RANGES[coordinates]
+    return limit is not None and (box[2] < 0 or box[3] < 0 or box[0] > limit or box[1] > limit)
+
+
 def _solution_box(reference: Any, box_format: str, coordinates: str) -> Box:
     if isinstance(reference, str):
         box = parse_box(reference, box_format)
@@ -169,13 +175,14 @@ def _box_reward(
         clipped = _clip(box, coordinates)
         # A box wholly past the edge clips to a sliver of no area on it, which GIoU would score as a
         # box touching the reference (0.5, more than a wrong box inside the image): it is no box.
-        if _area(clipped) <= 0 < _area(box):
+        if _area(clipped) <= 0 < _area(box) or _beyond(box, coordinates):
             return floor
         return overlap(clipped, reference)
 
     return score_with_reference(
-        name, completions, solution, columns, lambda ref: _solution_box(ref, box_format, coordinates), score
-    )
+        name, completions, solution, columns, lambda ref: _solution_box(ref, box_format, coordinates), score,
+        lists=False,
+    )  # fmt: skip
 
 
 def iou_reward(

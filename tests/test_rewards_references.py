@@ -1,0 +1,67 @@
+"""What the answer rewards read as a reference and as a number: a list of accepted answers (VQA's) for
+every answer reward, thousands separators only where they can be one, and off-range boxes as no box."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_vlm.rewards.accuracy import answers_match, normalize
+from lightning_vlm.rewards.answers import count_reward, numeric_reward, parse_count, parse_numbers
+from lightning_vlm.rewards.boxes import giou_reward, iou_reward
+from lightning_vlm.rewards.choices import multiple_choice_reward
+from lightning_vlm.rewards.ocr import ocr_reward
+
+
+def test_a_list_of_accepted_answers_scores_the_best_of_them_in_every_answer_reward():
+    # TextVQA / VQAv2 rows carry every annotator's answer: any one of them is right.
+    assert ocr_reward(["red", "crimsn"], solution=[["red", "crimson"]] * 2) == [1.0, 1 - 1 / 7]
+    assert numeric_reward(["30", "29"], solution=[["28", "30"]] * 2) == [1.0, 0.0]
+    assert count_reward(["4", "5"], solution=[["3", "4"]] * 2) == [1.0, 0.0]
+    assert multiple_choice_reward(["B", "C"], solution=[["B", "b"]] * 2) == [1.0, 0.0]
+    # blank annotations are no answers; a list of only blanks is a missing cell
+    assert numeric_reward(["7"], solution=[["", "7"]]) == [1.0]
+    assert count_reward(["7"], solution=[["", " "]]) == [None]
+    # an unreadable accepted answer is a dataset error naming the row, as a single one is
+    with pytest.raises(ValueError, match="count_reward: row 0: cannot read a count"):
+        count_reward(["4"], solution=[["4", "many"]])
+
+
+def test_a_box_solution_given_as_four_strings_is_still_one_box():
+    assert iou_reward(["[0, 0, 10, 10]"], solution=[["0", "0", "10", "10"]]) == [1.0]
+
+
+@pytest.mark.parametrize(
+    ("text", "numbers"),
+    [
+        ("1,234", [1234.0]),
+        ("1,234,567.5", [1234567.5]),
+        ("12,3456", [12.0, 3456.0]),  # not groups of three: two numbers, no digit dropped
+        ("0,125", [0.0, 125.0]),  # a thousands number never starts with a 0 group
+        ("[112,0,224,112]", [112.0, 0.0, 224.0, 112.0]),  # a comma list: "224,112" is no thousands
+        ("1,234,5", [1.0, 234.0, 5.0]),
+    ],
+)
+def test_comma_thousands_only_where_they_can_be_one(text, numbers):
+    assert parse_numbers(text) == numbers
+
+
+def test_a_compact_box_matches_the_spaced_one():
+    assert normalize("[112,0,224,112]") == normalize("[112, 0, 224, 112]")
+    assert answers_match("[112,0,224,112]", "[112, 0, 224, 112]")
+
+
+def test_count_reward_reads_thousands_as_numeric_reward_does():
+    assert parse_count("1,234") == 1234.0
+    assert count_reward(["1,234", "1234", "1"], solution=["1,234"] * 3) == [1.0, 1.0, 0.0]
+    assert count_reward(["1,234"], solution=[1234]) == [1.0]
+    assert count_reward(["1, 2, 3"], solution=[3]) == [0.0]  # a list of counts hedges
+
+
+def test_a_zero_area_box_wholly_outside_the_range_is_no_box():
+    # A point or line past the edge: as "no box" (GIoU's floor), not a box touching the reference.
+    outside = ["[1.5,0.2,1.5,0.4]", "[1.5,0.2,1.6,0.4]", "no box"]
+    assert giou_reward(outside, solution=["[0.5,0,1,0.5]"] * 3, coordinates="normalized") == [0.0] * 3
+    assert giou_reward([outside[0]], solution=["[0.2,0.2,0.4,0.4]"], coordinates="normalized") == [0.0]
+    # a line inside the range is a box (of no area): GIoU scores how far it is from the reference
+    inside = giou_reward(["[0.3,0.3,0.3,0.35]"], solution=["[0.2,0.2,0.4,0.4]"], coordinates="normalized")
+    assert inside[0] > 0.0
