@@ -65,3 +65,20 @@ def test_a_zero_area_box_wholly_outside_the_range_is_no_box():
     # a line inside the range is a box (of no area): GIoU scores how far it is from the reference
     inside = giou_reward(["[0.3,0.3,0.3,0.35]"], solution=["[0.2,0.2,0.4,0.4]"], coordinates="normalized")
     assert inside[0] > 0.0
+
+
+@pytest.mark.parametrize(
+    ("text", "letter"),
+    [
+        ("B. Vitamin C", "B"),  # the option's text echoed: its capital C is no second option
+        ("c) yellow", "C"),
+        ("(B) Grade A", "B"),
+        ("B. blue, or (C)", None),  # a marked letter after it still hedges
+        ("B. blue, the answer is C", None),
+        ("E. see B", "B"),  # a leading letter outside the choices is no option
+    ],
+)
+def test_an_answer_opening_with_an_option_marker_names_that_option(text, letter):
+    from lightning_vlm.rewards.choices import parse_choice
+
+    assert parse_choice(text, "ABCD") == letter

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 _WHOLE_CHOICE = re.compile(r"\s*[(\[]?\s*([A-Za-z])\s*[)\]]?\s*[.:]?\s*")
 _PAREN_CHOICE = re.compile(r"[(\[]\s*([A-Za-z])\s*[)\]]")
 _CUE_CHOICE = re.compile(r"\b(?:answer|option|choice)(?:\s+is)?\s*[:=]?\s*[(\[]?\s*([A-Za-z])(?![\w'])", re.I)
+# An answer opening with an option's marker, then its text: "B. Vitamin C", "(b) red", "c) yellow".
+_LEADING_CHOICE = re.compile(r"\s*(?:[(\[]\s*([A-Za-z])\s*[)\]]|([A-Za-z])\s*[).:])\s+")
 _UPPER_CHOICE = re.compile(r"(?<![\w'])([A-Z])(?![\w'])")
 # The word after a letter: lower case, or Title Case of two letters or more ("A Red Circle": an option's
 # text written in title case still reads "A" as the article).
@@ -37,12 +39,18 @@ def _is_word(answer: str, letter: str, end: int) -> bool:
     return letter in "AaI" and follow is not None and follow.group(1).lower() not in _OPTION_VERBS
 
 
-def _choice_mentions(answer: str) -> set[str]:
+def _marked_mentions(answer: str) -> set[str]:
+    """The letters marked as options: parenthesised, or after "answer", "option" or "choice"."""
     mentions = {m.group(1).upper() for m in _PAREN_CHOICE.finditer(answer)}
     for match in _CUE_CHOICE.finditer(answer):
         # "the answer is a cat": a lower-case "a" followed by a word is the article.
         if not (match.group(1) == "a" and _is_word(answer, "a", match.end())):
             mentions.add(match.group(1).upper())
+    return mentions
+
+
+def _choice_mentions(answer: str) -> set[str]:
+    mentions = _marked_mentions(answer)
     for match in _UPPER_CHOICE.finditer(answer):
         # Lone capitals are options ("B is right", "B. blue"), except the article or the pronoun I.
         if not _is_word(answer, match.group(1), match.end()):
@@ -55,14 +63,21 @@ def parse_choice(text: str, choices: str = "ABCDEFGH") -> str | None:
 
     An answer that is just a letter counts in either case ("b", "(B)", "B."). In longer text a letter
     counts when it is parenthesised ("(b)"), follows "answer", "option" or "choice" ("Answer: B",
-    "the answer is b"), or stands alone as a capital ("B. blue", "I pick C"); "A"/"a" or "I" followed
+    "the answer is b"), or stands alone as a capital ("I pick C"). An answer that opens with an option's
+    marker and its text ("B. Vitamin C", "c) yellow") names that letter, and capitals in the text are
+    the text's; a marked letter after it ("B. blue, or (C)") still counts as another; "A"/"a" or "I" followed
     by a lower-case word other than a verb such as "is" reads as the article or the pronoun ("I pick C"
     names C also among ten options A-J). Letters outside ``choices`` are ignored.
     """
     answer = extract_answer(text)
     whole = _WHOLE_CHOICE.fullmatch(answer)
+    leading = _LEADING_CHOICE.match(answer)
+    letter = leading and next(g for g in leading.groups() if g).upper()
     if whole is not None:
         mentions = {whole.group(1).upper()}
+    elif letter and letter in choices.upper():
+        # "B. Vitamin C": the option's text follows its letter, and its capitals are the text's.
+        mentions = {letter} | _marked_mentions(answer[leading.end() :])
     else:
         mentions = _choice_mentions(answer)
     mentions &= set(choices.upper())
