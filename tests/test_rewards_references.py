@@ -82,3 +82,13 @@ def test_an_answer_opening_with_an_option_marker_names_that_option(text, letter)
     from lightning_vlm.rewards.choices import parse_choice
 
     assert parse_choice(text, "ABCD") == letter
+
+
+def test_a_box_solution_stored_as_json_data_is_read():
+    # Qwen's grounding rows hold {"bbox_2d": [...], "label": ...}, alone or in a list
+    qwen = {"bbox_2d": [0, 0, 10, 10], "label": "red square"}
+    assert iou_reward(["[0, 0, 10, 10]"] * 3, solution=[qwen, [qwen], [[0, 0, 10, 10]]]) == [1.0] * 3
+    with pytest.raises(ValueError, match="row 0: the solution .* holds 2 boxes"):
+        iou_reward(["[0, 0, 10, 10]"], solution=[[qwen, {**qwen, "bbox_2d": [1, 1, 5, 5]}]])
+    with pytest.raises(ValueError, match="row 0: cannot read a box from the solution"):
+        iou_reward(["[0, 0, 10, 10]"], solution=[{"label": "red"}])
