@@ -92,3 +92,11 @@ def test_a_box_solution_stored_as_json_data_is_read():
         iou_reward(["[0, 0, 10, 10]"], solution=[[qwen, {**qwen, "bbox_2d": [1, 1, 5, 5]}]])
     with pytest.raises(ValueError, match="row 0: cannot read a box from the solution"):
         iou_reward(["[0, 0, 10, 10]"], solution=[{"label": "red"}])
+
+
+def test_ocr_reads_full_width_letters_and_ligatures_as_what_they_show():
+    from lightning_vlm.rewards.ocr import ocr_similarity
+
+    assert ocr_similarity("ＨＥＬＬＯ", "hello") == 1.0
+    assert ocr_similarity("ﬁle", "file") == 1.0
+    assert ocr_similarity("ＨＥＬＬＯ", "HELLO", normalize=False) == 0.0  # exact: as written

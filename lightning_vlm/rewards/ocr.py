@@ -32,17 +32,20 @@ def levenshtein(a: str, b: str) -> int:
 
 def _ocr_text(text: str, normalize: bool) -> str:
     # One text may be encoded two ways ("é" as one code point or "e" + a combining accent); NFC makes
-    # them one, in both modes, since they are the same characters. Case and spacing are not what an
-    # OCR answer is judged on; punctuation is, so it stays.
-    text = unicodedata.normalize("NFC", text)
-    return " ".join(text.casefold().split()) if normalize else text
+    # them one, in both modes, since they are the same characters. Normalised, NFKC also reads the
+    # compatibility forms as what they show: full-width "ＨＥＬＬＯ" (CJK text) as "HELLO", the ligature
+    # "ﬁ" as "fi". Case and spacing are not what an OCR answer is judged on; punctuation is, so it stays.
+    if not normalize:
+        return unicodedata.normalize("NFC", text)
+    return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
 
 
 def ocr_similarity(prediction: str, reference: str, normalize: bool = True) -> float:
     """``1 - levenshtein / max(len)`` between the two texts, in [0, 1]; 1.0 when both are empty.
 
-    Both texts are put in Unicode's composed form (NFC) first; ``normalize`` also case-folds and
-    collapses whitespace (stripping the ends).
+    Both texts are put in Unicode's composed form (NFC) first; ``normalize`` reads compatibility forms as
+    what they show (NFKC: full-width letters, ligatures), case-folds and collapses whitespace
+    (stripping the ends).
     """
     prediction, reference = _ocr_text(prediction, normalize), _ocr_text(reference, normalize)
     longest = max(len(prediction), len(reference))
