@@ -34,10 +34,7 @@ def from_folder(folder: Path, subset: str | None, split: str) -> Source:
     try:
         dataset = load_hf_dataset(str(folder), subset, split, folder=True)
     except SourceError:
-        try:
-            named = _folder_files(folder, subset, split)
-        except Exception:  # no data files datasets can name, say: its load error says it best
-            named = None
+        named = _folder_files(folder, subset, split)
         if named is None or not _json_as_written(named) or any(map(json_problem, _files(named))):
             raise
         # datasets' JSON reader fails on some files Python's json reads row by row (a field that
@@ -67,10 +64,14 @@ def from_folder(folder: Path, subset: str | None, split: str) -> Source:
 
 def _folder_files(folder: Path, subset: str | None, split: str) -> dict[str, list[Path]] | None:
     """The data files of each split that ``split`` reads from a plain folder, in datasets' order (the
-    order "all" reads them in); None for a spec we do not follow (one naming a split they do not give)."""
+    order "all" reads them in); None for a spec we do not follow (one naming a split they do not give)
+    or a folder whose files datasets does not name."""
     import datasets
 
-    data_files = datasets.load_dataset_builder(str(folder), name=subset).config.data_files
+    try:
+        data_files = datasets.load_dataset_builder(str(folder), name=subset).config.data_files
+    except Exception:  # datasets raises many types; the folder's load (or its error) says the rest
+        return None
     named = {str(s): [Path(f) for f in files] for s, files in data_files.items()}
     wanted = set(named) if split == "all" else split_names(split)
     if wanted - set(named):
