@@ -99,3 +99,36 @@ def test_a_second_export_into_a_sharded_folder_leaves_no_stale_index(family, tin
     save_for_hf_and_vllm(model, tmp_path, None)
     assert sorted(p.name for p in tmp_path.glob("model*.safetensors*")) == ["model.safetensors"]
     assert load_file(tmp_path / "model.safetensors")
+
+
+EXPORTS = {
+    "full": ({"model.safetensors", "config.json"}, {"adapter_config.json", "adapter_model.safetensors"}),
+    "sharded": (
+        {"model.safetensors.index.json", "config.json"},
+        {"model.safetensors", "adapter_config.json"},
+    ),
+    "adapter": ({"adapter_config.json", "adapter_model.safetensors"}, {"model.safetensors", "config.json"}),
+}
+
+
+@pytest.mark.parametrize("writer", ["save_pretrained", "parts"])
+@pytest.mark.parametrize(("first", "second"), [("adapter", "full"), ("full", "adapter"), ("full", "sharded")])
+def test_a_second_export_into_a_folder_leaves_none_of_the_first_ones_model_files(
+    first, second, writer, tiny_path, tmp_path
+):
+    # Left beside the new files, transformers loaded the wrong weights without a word: the old adapter
+    # on the new full model, the new adapter on the old full model, the old single file before new shards.
+    lora = VLM(tiny_path(), lora={"r": 4, "lora_alpha": 8})
+
+    def export(kind: str) -> None:
+        shard = "200KB" if kind == "sharded" else None
+        if writer == "save_pretrained":
+            lora.save_pretrained(tmp_path, merge_lora=kind != "adapter", max_shard_size=shard)
+        else:
+            write_folder(lora, tmp_path, [lora.model.state_dict()], kind != "adapter", shard)
+
+    export(first)
+    export(second)
+    names = {p.name for p in tmp_path.iterdir()}
+    present, absent = EXPORTS[second]
+    assert present <= names and not absent & names, sorted(names)

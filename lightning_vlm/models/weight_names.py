@@ -48,6 +48,26 @@ def hf_to_vllm_names(
         yield name, tensor
 
 
+# What an export writes that a later one into the same folder may not overwrite: weights of either kind
+# (one file or shards, safetensors or .bin) and their index, and a full model's or an adapter's config.
+_MODEL_FILES = (
+    "model*.safetensors", WEIGHTS_INDEX, "pytorch_model*.bin", "pytorch_model.bin.index.json",
+    "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "config.json",
+    "generation_config.json",
+)  # fmt: skip
+
+
+def clear_model_files(out_dir: str | os.PathLike) -> None:
+    """Remove an earlier export's model files from ``out_dir`` before another export writes there. Left
+    beside the new files, transformers loads the wrong weights without a word: an old single
+    ``model.safetensors`` before new shards, an old adapter on a new full model, a new adapter on an old
+    full model (transformers itself removes only old shards, and keeps their index)."""
+    out = Path(out_dir)
+    for pattern in _MODEL_FILES:
+        for path in out.glob(pattern):
+            path.unlink()
+
+
 def save_for_hf_and_vllm(
     model: Any, out_dir: str | os.PathLike, max_shard_size: int | str | None = None
 ) -> None:
@@ -60,12 +80,10 @@ def save_for_hf_and_vllm(
     from peft import PeftModel
     from safetensors.torch import load_file, save_file
 
+    clear_model_files(out_dir)
     if isinstance(model, PeftModel):  # adapter_model.safetensors, never sharded
         model.save_pretrained(out_dir)
         return
-    # transformers removes an earlier export's shards but not its index: a stale index beside a single
-    # model.safetensors misleads loaders, and the renaming below would open shards that are gone.
-    (Path(out_dir) / WEIGHTS_INDEX).unlink(missing_ok=True)
     model.save_pretrained(out_dir, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
     if not family_of(model.config).vllm_vision_model_prefix:
         return

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from lightning_vlm.generation.weight_sync import policy_weights, save_adapter
-from lightning_vlm.models.weight_names import write_safetensors
+from lightning_vlm.models.weight_names import clear_model_files, write_safetensors
 from lightning_vlm.parallel.fsdp import clean_name, unit_state_chunks
 
 
@@ -45,6 +45,7 @@ def write_folder(
     unwrapped ``vlm.model.state_dict()``), sharded alike."""
     dirpath = Path(dirpath)
     dirpath.mkdir(parents=True, exist_ok=True)
+    clear_model_files(dirpath)
     if vlm.is_lora and not merge_lora:
         # The adapter's factors and its fully trained modules (modules_to_save), named as PEFT saves them.
         trained = f".modules_to_save.{vlm.model.active_adapter}."
