@@ -9,7 +9,7 @@ from typing import Any
 import hydra
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
+from lightning.pytorch.callbacks import Checkpoint, LearningRateMonitor, ProgressBar
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
@@ -81,9 +81,12 @@ def resume_callbacks(loggers: list[Any]) -> list[L.Callback]:
 def drop_refused(callbacks: list[Any], trainer_cfg: DictConfig, has_logger: bool) -> list[Any]:
     """The default callbacks minus those Lightning refuses in this setting, so the flag or the missing
     logger wins instead of an error: a ProgressBar next to ``enable_progress_bar=false``, a
-    LearningRateMonitor with ``logger=none``."""
+    ModelCheckpoint next to ``enable_checkpointing=false`` (eval.py's, with the training run's
+    ``callbacks=``), a LearningRateMonitor with ``logger=none``."""
     if not trainer_cfg.get("enable_progress_bar", True):
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
+    if not trainer_cfg.get("enable_checkpointing", True):
+        callbacks = [c for c in callbacks if not isinstance(c, Checkpoint)]
     if not has_logger:
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     return callbacks

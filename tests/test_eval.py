@@ -193,3 +193,11 @@ def test_a_failed_eval_job_ends_its_wandb_run(sft_run, tmp_path, monkeypatch):
         _evaluate([f"ckpt_path={sft_run[0] / 'ckpt' / 'step2.ckpt'}", "logger=wandb",
                    "+callbacks.boom._target_=helpers.RaiseAt"], tmp_path)  # fmt: skip
     assert wandb.run is None
+
+
+def test_eval_with_the_training_runs_callbacks_scores_the_checkpoint(sft_run, tmp_path):
+    # callbacks=default holds a ModelCheckpoint, which Lightning refuses next to eval's
+    # enable_checkpointing=false: the flag wins, as it does over a progress bar.
+    run, trained = sft_run
+    report = _evaluate([f"ckpt_path={run / 'ckpt' / 'step2.ckpt'}", "callbacks=default"], tmp_path)
+    _assert_same(report["metrics"], _val(trained))
