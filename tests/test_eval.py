@@ -201,3 +201,12 @@ def test_eval_with_the_training_runs_callbacks_scores_the_checkpoint(sft_run, tm
     run, trained = sft_run
     report = _evaluate([f"ckpt_path={run / 'ckpt' / 'step2.ckpt'}", "callbacks=default"], tmp_path)
     _assert_same(report["metrics"], _val(trained))
+
+
+def test_an_adapter_folder_evaluates_as_its_training_ended(tmp_path):
+    # ExportHFModel(merge_lora=false) writes the adapter alone: transformers loads it on its base model
+    # (adapter_config.json names it); the scale check read no config there and refused the folder.
+    trained = _trained(["lora=default", "+callbacks.export.merge_lora=false"], tmp_path)
+    assert (tmp_path / "hf" / "adapter_config.json").is_file()
+    report = _evaluate([f"model.model_name_or_path={tmp_path / 'hf'}"], tmp_path / "eval")
+    _assert_same(report["metrics"], _val(trained))

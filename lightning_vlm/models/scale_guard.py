@@ -9,8 +9,10 @@ parameters on the meta device and stops with the ``model=<family>`` to use inste
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from .families import FAMILIES
@@ -37,7 +39,6 @@ def count_parameters(config: Any) -> int:
 
 def _in_tiny_cache(model_name_or_path: str) -> bool:
     # The tiny zoo and its warm starts are tiny by construction: no config read or meta build at start-up.
-    from pathlib import Path
 
     from lightning_vlm.models.tiny import default_cache_dir
 
@@ -52,7 +53,15 @@ def check_model_scale(
 ) -> None:
     """Raises when ``model_name_or_path`` is a large model but the tiny models' settings are selected;
     ``model_kwargs``' ``cache_dir`` and ``revision`` say where its config is, as for the model itself."""
-    if scale_name != "tiny" or _in_tiny_cache(model_name_or_path):
+    if scale_name != "tiny":
+        return
+    # An adapter folder (an export with merge_lora=false) holds no model config: its base model's is it.
+    adapter = Path(model_name_or_path, "adapter_config.json")
+    if adapter.is_file() and not adapter.with_name("config.json").is_file():
+        model_name_or_path = (
+            json.loads(adapter.read_text()).get("base_model_name_or_path") or model_name_or_path
+        )
+    if _in_tiny_cache(model_name_or_path):
         return
     from transformers import AutoConfig
 
