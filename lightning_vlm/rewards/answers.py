@@ -147,9 +147,10 @@ def parse_number(text: str) -> float | None:
     """The first number in the answer, or None.
 
     Accepted: an optional sign, digits with optional decimals (".5", "2.50"), comma thousands
-    separators in groups of three ("1,234.5"; not inside a comma list: "[112,0,224,112]" is four numbers), an exponent ("1e-3") and fractions ("3/4",
-    "-1/2"; a zero denominator reads as no number), with "-" or the Unicode minus "−". A percent sign
-    is ignored: "50%" is 50, so write percentages the same way in the solution. Spaces as thousands
+    separators in groups of three ("1,234.5"; not inside a comma list: "[112,0,224,112]" is four
+    numbers), an exponent ("1e-3") and fractions ("3/4", "-1/2"; a zero denominator reads as no
+    number), with "-" or the Unicode minus "−". A percent sign is ignored: "50%" is 50, so write
+    percentages the same way in the solution. Spaces as thousands
     separators are not. Digits right after a letter or "^" belong to a word or unit ("m2", "cm^2",
     "H2O"): "12 cm^2" names one number, 12.
     """
