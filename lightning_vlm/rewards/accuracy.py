@@ -99,13 +99,18 @@ def _as_number(text: str) -> float | None:
     return number_value(match) if match else None
 
 
+def is_answer_list(solution: Any) -> bool:
+    """Whether ``solution`` is a list of accepted answers (VQA's "answers" column): any one is right."""
+    return isinstance(solution, list | tuple) and all(isinstance(s, str) for s in solution)
+
+
 def answers_match(completion: str, solution: Any) -> bool:
     """True when the completion's answer equals the solution (numbers by value, letters as choices).
 
     A list of strings is a list of accepted answers (VQA's "answers" column): any one matches. Any other
     solution is compared as its text.
     """
-    if isinstance(solution, (list, tuple)) and solution and all(isinstance(s, str) for s in solution):
+    if is_answer_list(solution):  # an empty list matches nothing
         return any(answers_match(completion, s) for s in solution)
     answer = extract_answer(completion).strip()
     solution = solution if isinstance(solution, str) else str(solution)

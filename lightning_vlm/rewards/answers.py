@@ -14,7 +14,14 @@ import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from lightning_vlm.rewards.accuracy import NUMBER, THOUSANDS, extract_answer, latex_numbers, number_value
+from lightning_vlm.rewards.accuracy import (
+    NUMBER,
+    THOUSANDS,
+    extract_answer,
+    is_answer_list,
+    latex_numbers,
+    number_value,
+)
 
 if TYPE_CHECKING:
     from lightning_vlm.rewards.builtin import Completion
@@ -69,7 +76,7 @@ def score_with_reference(
     rewards: list[float | None] = []
     for row, (completion, reference) in enumerate(zip(completions, solution, strict=True)):
         accepted = (
-            [r for r in reference if not _missing(r)] if _is_answer_list(reference, lists) else [reference]
+            [r for r in reference if not _missing(r)] if lists and is_answer_list(reference) else [reference]
         )
         if not accepted or _missing(accepted[0]):
             rewards.append(None)
@@ -81,11 +88,6 @@ def score_with_reference(
         text = completion_text(completion)
         rewards.append(max(score(text, ref) for ref in refs))
     return rewards
-
-
-def _is_answer_list(reference: Any, lists: bool) -> bool:
-    """Whether ``reference`` is a list of accepted answers (VQA's "answers" column: any one is right)."""
-    return lists and isinstance(reference, list | tuple) and all(isinstance(r, str) for r in reference)
 
 
 def parse_counts(text: str) -> list[float]:
