@@ -3,10 +3,10 @@
     python tests/_vllm_scenarios.py REPORT.json SCENARIO [SCENARIO...]
 
 Scenarios: ``colocate`` (parity, sampling, full and LoRA sync, two families), ``grpo_colocate`` (a few
-GRPO steps through ``generation=vllm_colocate``), ``adapter_sync`` (LoRA-only sync),
-``processor_settings`` (a policy's processor_kwargs reach vLLM), ``bos_tokenizer`` (a tokenizer that
-adds BOS itself) and
-``transformers_impl`` (model_impl=transformers; last: it patches transformers classes in-process). Each scenario's failure is
+GRPO steps through ``generation=vllm_colocate``), ``adapter_sync`` (LoRA-only sync), ``adapter_folder``
+(an unmerged LoRA export as the policy), ``processor_settings`` (a policy's processor_kwargs reach
+vLLM), ``bos_tokenizer`` (a tokenizer that adds BOS itself) and ``transformers_impl``
+(model_impl=transformers; last: it patches transformers classes in-process). Each scenario's failure is
 reported, not raised, so the other scenarios still run.
 """
 
@@ -198,6 +198,27 @@ def adapter_sync(paths: dict) -> dict:
     return report
 
 
+def adapter_folder(paths: dict, out_dir: str) -> dict:
+    """An unmerged LoRA export as the policy's folder: vLLM loads its base, the first sync merges."""
+    from lightning_vlm.generation.vllm_colocate import VLLMColocateGenerator
+    from lightning_vlm.models.vlm import VLM
+
+    lora = {"r": 8, "lora_alpha": 16, "init_lora_weights": False}  # random adapters: policy != base
+    VLM(paths["qwen2_5_vl"], lora=lora).save_pretrained(out_dir, merge_lora=False)
+    vlm = VLM(out_dir, lora={"r": 8, "lora_alpha": 16})
+    try:
+        VLLMColocateGenerator(vlm, weight_sync="adapter")
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    gen = VLLMColocateGenerator(vlm)
+    base = _compare(vlm, gen)  # before any sync: the engine holds the folder's base
+    gen.sync_weights()
+    report = {"refused": refused, "base": base, "synced": _compare(vlm, gen)}
+    gen.close()
+    return report
+
+
 def processor_settings(paths: dict) -> dict:
     """A policy whose processor has its own pixel limit (model.processor_kwargs): vLLM must encode the
     images into the same tokens, or it samples from another prompt than training scores."""
@@ -299,8 +320,8 @@ if __name__ == "__main__":
     for name in scenarios:
         start = time.perf_counter()
         try:
-            if name == "grpo_colocate":
-                report[name] = grpo_colocate(family_paths, str(Path(report_path).parent / "grpo"))
+            if name in ("grpo_colocate", "adapter_folder"):
+                report[name] = globals()[name](family_paths, str(Path(report_path).parent / name))
             else:
                 report[name] = globals()[name](family_paths)
         except Exception as exc:  # one scenario's failure must not hide the others'

@@ -36,6 +36,7 @@ def report(tiny_path, tmp_path_factory) -> dict:
         "colocate",
         "grpo_colocate",
         "adapter_sync",
+        "adapter_folder",
         "processor_settings",
         "bos_tokenizer",
         "families",
@@ -139,6 +140,16 @@ def test_lora_adapter_only_sync_matches_hf(report):
     assert r["after"]["hf"] != r["before"]["hf"]
     _assert_parity(r["after"])
     assert r["adapters_loaded"] == [2], "one adapter version resident: the previous one was removed"
+
+
+def test_an_adapter_folder_policy_loads_its_base_in_vllm_and_the_first_sync_merges(report):
+    # vLLM needs a full model on disk and failed on the folder (no config.json); it now loads the base
+    # the folder names, and the first sync (always done before a generation) brings the merged policy.
+    r = _section(report, "adapter_folder")
+    assert r["base"]["vllm"] != r["base"]["hf"], "random adapters: the base generates otherwise"
+    _assert_parity(r["synced"])
+    # Adapter-only sync would leave the merged adapter out of every generation: refused, saying so.
+    assert "is an adapter folder" in r["refused"] and "weight_sync=merged" in r["refused"]
 
 
 def test_the_policys_processor_settings_reach_vllm(report):

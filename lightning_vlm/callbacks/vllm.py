@@ -131,7 +131,7 @@ class VLLMGeneration(L.Callback):
         if self.start_server:
             started = None
             if trainer.is_global_zero:
-                started = self._launch(vlm.model_name_or_path, Path(trainer.default_root_dir))
+                started = self._launch(vlm.full_model_path, Path(trainer.default_root_dir))
             # Every rank learns the outcome, so a failed start raises everywhere instead of leaving the
             # other ranks waiting in a collective.
             self.server["url"], self.server["api_key"], error = trainer.strategy.broadcast(started)

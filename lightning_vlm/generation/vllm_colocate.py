@@ -102,6 +102,14 @@ class VLLMColocateGenerator:
             raise ValueError(f"weight_sync must be one of {WEIGHT_SYNCS}, got {weight_sync!r}")
         self.vlm = vlm
         self.weight_sync = weight_sync
+        if weight_sync == "adapter" and vlm.from_adapter_folder:
+            # vLLM loads the adapter folder's base from disk and gets only the new adapter's factors:
+            # the merged one would be missing from every generation.
+            raise ValueError(
+                f"weight_sync=adapter: model.model_name_or_path={vlm.model_name_or_path!r} is an adapter "
+                "folder, merged into its base when loaded, and vLLM would generate from that base without "
+                "it. Use weight_sync=merged, or start from a merged export (merge_lora=true)"
+            )
         if weight_sync == "adapter":
             engine = EngineOptions.build(engine, extra={**adapter_engine_options(vlm), **engine.extra})
         self.engine = engine
@@ -124,7 +132,7 @@ class VLLMColocateGenerator:
             )
         self.in_process = engine.tensor_parallel_size == 1
         self.llm = make_vllm_engine(
-            model_path or vlm.model_name_or_path,
+            model_path or vlm.full_model_path,
             EngineOptions.build(engine, enable_sleep_mode=self.sleep_enabled),
         )
         self.asleep = False

@@ -9,12 +9,12 @@ parameters on the meta device and stops with the ``model=<family>`` to use inste
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .adapter_folder import adapter_chain
 from .families import FAMILIES
 from .model_source import hub_location
 
@@ -56,11 +56,7 @@ def check_model_scale(
     if scale_name != "tiny":
         return
     # An adapter folder (an export with merge_lora=false) holds no model config: its base model's is it.
-    adapter = Path(model_name_or_path, "adapter_config.json")
-    if adapter.is_file() and not adapter.with_name("config.json").is_file():
-        model_name_or_path = (
-            json.loads(adapter.read_text()).get("base_model_name_or_path") or model_name_or_path
-        )
+    model_name_or_path = adapter_chain(model_name_or_path)[0]
     if _in_tiny_cache(model_name_or_path):
         return
     from transformers import AutoConfig

@@ -12,6 +12,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from . import encoding, vision_every_rank
+from .adapter_folder import adapter_chain, merge_adapters
 from .families import family_of
 from .image_tokens import NUM_IMAGES_KEY, check_image_tokens
 from .logprobs import scatter_to_tokens, scored_positions, selective_logps, softcapped
@@ -61,13 +62,20 @@ class VLM(torch.nn.Module):
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         # Rewards get it (``generation_prompt``): a prefilled "<think>" is part of every completion's text.
         self.generation_prompt = encoding.generation_prompt(self.processor)
+        # An adapter folder loads as its base model with the adapter merged in; vLLM, which needs a full
+        # model on disk, loads that base, and the first weight sync brings the merged weights.
+        self.full_model_path, adapters = adapter_chain(model_name_or_path)
+        self.from_adapter_folder = bool(adapters)
+        if adapters:
+            check_model_source(self.full_model_path, f"base_model_name_or_path in {adapters[0]}", **where)
         model = AutoModelForImageTextToText.from_pretrained(
-            model_name_or_path,
+            self.full_model_path,
             dtype=_dtype(dtype),
             attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
             **(model_kwargs or {}),
         )
+        model = merge_adapters(model, adapters)
         self.model_type: str = model.config.model_type
         # Refuse an unregistered family here, before any batch is sliced by a guessed layout.
         self.family = family_of(model.config)
