@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_vlm.config  # noqa: F401  (registers the ${tiny_vlm:...} and ${run_stamp:...} resolvers)
+from lightning_vlm.callbacks.export import publish_after_fit
 from lightning_vlm.callbacks.resume import BatchCountAfterResume, NextEpochAfterRestart
 from lightning_vlm.callbacks.run_report import finish_reports
 from lightning_vlm.ckpt_path import checkpoint_to_load, last_checkpoint, restore_errors
@@ -153,6 +154,7 @@ def _fit(
     for lg in trainer.loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     initial: dict[str, float] = {}
+    exports = publish_after_fit(trainer)  # their cards wait for the final validation below
     with restore_errors(ckpt_path, module):
         if cfg.get("validate_before_fit"):
             # A resumed run starts from the checkpoint's weights, so that is the baseline to score; fit
@@ -185,6 +187,8 @@ def _fit(
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
     log.info("Final metrics: %s", metrics)
+    for export in exports:
+        export.publish(trainer, module)  # the card holds the final metrics, those of any validation above
     finish_reports(trainer)  # curves and paths: the run's last lines, after any final validation
     return metrics, initial
 

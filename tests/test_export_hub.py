@@ -82,3 +82,36 @@ def test_a_hub_base_model_goes_into_the_card_metadata():
                       {"val/reward": 0.5}, "me/tiny-grpo")  # fmt: skip
     assert card.data.base_model == "Qwen/Qwen2.5-VL-3B-Instruct"
     assert "grpo" in card.data.tags and "| `val/reward` | 0.5 |" in card.text
+
+
+def _card_metrics(folder) -> dict[str, float]:
+    rows = [line.split("|") for line in ModelCard.load(folder / "README.md").text.splitlines()]
+    return {
+        r[1].strip().strip("`"): float(r[2]) for r in rows if len(r) == 4 and r[1].strip().startswith("`")
+    }
+
+
+def test_the_card_of_a_run_shorter_than_its_validation_interval_has_the_final_validation(tmp_path):
+    # No validation during fit (val_check_interval > max_steps): train() validates after fit, and the
+    # card, written at the end of fit, had no val/* metric of the exported weights.
+    overrides = [*SHORT, "trainer.val_check_interval=50", "callbacks.export.push_to_hub=dry_run",
+                 "callbacks.export.hub_model_id=me/tiny-sft"]  # fmt: skip
+    metrics, _ = train(compose_train(overrides, tmp_path))
+    card = _card_metrics(tmp_path / "hf_model")
+    assert card["val/answer_accuracy"] == pytest.approx(metrics["val/answer_accuracy"], abs=1e-4)
+    assert json.loads((tmp_path / "hf_model.hub_manifest.json").read_text())["dry_run"] is True
+
+
+def test_a_plain_trainer_fit_still_publishes_at_the_end_of_fit(tmp_path):
+    import hydra
+
+    from lightning_vlm.training import build
+
+    cfg = compose_train([*SHORT, "callbacks.export.push_to_hub=dry_run",
+                         "callbacks.export.hub_model_id=me/tiny-sft"], tmp_path)  # fmt: skip
+    datamodule, module = build(cfg)
+    export = hydra.utils.instantiate(cfg.callbacks.export)
+    trainer = hydra.utils.instantiate(cfg.trainer, callbacks=[export], logger=False)
+    trainer.fit(module, datamodule=datamodule)
+    assert "| `val/answer_accuracy` |" in ModelCard.load(tmp_path / "hf_model" / "README.md").text
+    assert (tmp_path / "hf_model.hub_manifest.json").is_file()

@@ -67,6 +67,11 @@ class ExportHFModel(L.Callback):
         self.commit_message = commit_message
         self.config_path = Path(config_path) if config_path else None
         self.max_shard_size = max_shard_size
+        # train() validates the final weights after fit when no validation ran during it (a run shorter
+        # than val_check_interval): it sets this, then calls publish() after that validation, so the
+        # card holds the run's final metrics. Code calling trainer.fit itself publishes at fit's end.
+        self.publish_after_fit = False
+        self._exported = False  # this fit wrote the folder: a fit stopped early publishes nothing
 
     @property
     def manifest_path(self) -> Path:
@@ -75,6 +80,7 @@ class ExportHFModel(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":
+            self._exported = False
             check_not_partitioned(trainer.strategy)
         if stage == "fit" and self.push_to_hub is True:
             check_can_push()
@@ -89,7 +95,14 @@ class ExportHFModel(L.Callback):
             return
         if root is None:
             pl_module.vlm.save_pretrained(self.dirpath, self.merge_lora, self.max_shard_size)
-        if not self.push_to_hub:
+        self._exported = True
+        if not self.publish_after_fit:
+            self.publish(trainer, pl_module)
+
+    def publish(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """With ``push_to_hub``: writes the model card from the trainer's metrics now, then uploads the
+        folder (or, for a dry run, lists what would be uploaded). Rank 0 only; the folder exists."""
+        if not trainer.is_global_zero or not self.push_to_hub or not self._exported:
             return
         self.write_card(trainer, pl_module)
         dry_run = self.push_to_hub == DRY_RUN
@@ -139,6 +152,15 @@ class ExportHFModel(L.Callback):
         log.warning("No Hydra config at %s: the model card shows the method's hparams only", self.config_path)
         hparams = OmegaConf.create(dict(pl_module.hparams))
         return OmegaConf.to_yaml(hparams), f"The method's hyperparameters (`{type(pl_module).__name__}`)"
+
+
+def publish_after_fit(trainer: L.Trainer) -> list[ExportHFModel]:
+    """Makes every ExportHFModel of ``trainer`` leave its card and push to the caller (see
+    ``ExportHFModel.publish_after_fit``), and returns them for :meth:`ExportHFModel.publish`."""
+    exports = [c for c in trainer.callbacks if isinstance(c, ExportHFModel)]
+    for callback in exports:
+        callback.publish_after_fit = True
+    return exports
 
 
 def check_not_partitioned(strategy: Any) -> None:
