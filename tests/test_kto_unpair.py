@@ -127,3 +127,20 @@ def test_a_pair_without_an_answer_names_the_column_and_is_skippable(folder, miss
     # both rows of the broken pair are skipped: half a pair would tip the label balance
     assert dm.train_dataset.indices == [0, 1, 4, 5] and dm.skipped == {"missing_column": 2}
     assert [r["label"] for r in _rows(dm)] == [True, False, True, False]
+
+
+@pytest.mark.parametrize("limit, kept", [(5, 4), (1, 2), (4, 4)])
+def test_an_odd_max_samples_keeps_whole_pairs(folder, limit, kept, caplog):  # noqa: F811
+    # max_samples=5 on pairs kept pair 2's chosen answer alone: one more desirable row than undesirable.
+    pairs = [{"prompt": f"q{i}", "chosen": "good", "rejected": "bad"} for i in range(4)]
+    path = write(folder, "jsonl", pairs)
+    dm = UnpairedDataModule(train=path, val=path, max_samples=limit, max_val_samples=limit, shuffle=False)
+    with caplog.at_level("INFO", logger="lightning_vlm.data"):
+        dm.setup()
+    assert len(dm.train_dataset) == len(dm.val_dataset) == kept
+    assert dm.label_counts() == (kept // 2, kept // 2)
+    assert ("whole pairs" in caplog.text) == (limit != kept)
+    unpaired = [{"prompt": f"q{i}", "completion": "a", "label": i % 3 == 0} for i in range(6)]
+    dm = UnpairedDataModule(train=write(folder, "jsonl", unpaired), max_samples=limit, shuffle=False)
+    dm.setup()
+    assert len(dm.train_dataset) == limit  # unpaired rows have no pairs to keep whole

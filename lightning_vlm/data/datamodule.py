@@ -163,6 +163,10 @@ class VLMDataModule(L.LightningDataModule):
         """The raw rows of one source spec (``load_source``); subclasses may reshape them."""
         return load_source(spec, self.shape, split, self._synthetic(synthetic_split))
 
+    def row_limit(self, source: Source, limit: int | None) -> int | None:
+        """How many of ``source``'s first rows ``data.max_samples`` (or ``max_val_samples``) keeps."""
+        return limit
+
     def _dataset(self, source: Source, indices: list[int]) -> RowDataset:
         return RowDataset(source, self.row_format, indices, self.hparams.on_bad_row, self.skipped)
 
@@ -172,7 +176,7 @@ class VLMDataModule(L.LightningDataModule):
             return
         hp = self.hparams
         train = self.load(hp.train, hp.split, "train")
-        indices, skipped = scan(train, self.row_format, hp.max_samples, hp.on_bad_row)
+        indices, skipped = scan(train, self.row_format, self.row_limit(train, hp.max_samples), hp.on_bad_row)
         self.skipped.update(skipped)
         require_rows(indices, skipped, train, "data.train")
         val_indices: list[int] = []
@@ -189,12 +193,13 @@ class VLMDataModule(L.LightningDataModule):
         elif hp.val is not None or train.trusted:
             spec = hp.val if hp.val is not None else self._synthetic_val_spec()
             val = self.load(spec, hp.val_split, hp.val_split)
-            val_indices, skipped = scan(val, self.row_format, hp.max_val_samples, hp.on_bad_row)
+            limit = self.row_limit(val, hp.max_val_samples)
+            val_indices, skipped = scan(val, self.row_format, limit, hp.on_bad_row)
             self.skipped.update(skipped)
             if skipped:  # validation silently off because every row was skipped: say so instead
                 require_rows(val_indices, skipped, val, "data.val")
         if hp.max_val_samples is not None:
-            val_indices = val_indices[: hp.max_val_samples]
+            val_indices = val_indices[: self.row_limit(val, hp.max_val_samples)]
         self.train_dataset = self._dataset(train, indices)
         self.val_dataset = self._dataset(val, val_indices) if val is not None and val_indices else None
 
@@ -299,6 +304,15 @@ class UnpairedDataModule(VLMDataModule):
 
     def load(self, spec: str | dict, split: str, synthetic_split: str) -> Source:
         return unpair(super().load(spec, split, synthetic_split), self.row_format.column_map)
+
+    def row_limit(self, source: Source, limit: int | None) -> int | None:
+        """Whole pairs of a pair source: an odd limit cut the last pair in half, one more desirable row
+        than undesirable ones. It keeps one row less (at least one pair), and says so."""
+        if limit is None or limit % 2 == 0 or not isinstance(source.rows, UnpairedView):
+            return limit
+        kept = max(limit - 1, 2)
+        logger.info("%d rows of %s: keeping %d, whole pairs (a pair is 2 rows)", limit, source.name, kept)
+        return kept
 
     def group_of(self, source: Source, index: int) -> int:
         """A pair's two rows (``2i`` and ``2i + 1``: one prompt, one image set) stay together: held out
