@@ -73,13 +73,19 @@ def dpo_loss_by_hand(loss_type: str, pairs: list[tuple[int, int]]):
     ],
     ids=["sigmoid-ties", "sigmoid-eos_penalty", "ipo-eos_penalty", "ipo-ties"],
 )
-def test_online_dpo_step_follows_the_loss_penalty_and_skips_ties(setup, loss_type, penalty, expected_pairs):
+# The sampling temperature shapes only the sampling: the loss's log-probs are the policy's own (T = 1),
+# as in TRL's OnlineDPOTrainer. They were divided by it, which changed the loss and its effective beta.
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_online_dpo_step_follows_the_loss_penalty_and_skips_ties(
+    setup, loss_type, penalty, expected_pairs, temperature
+):
     path, rows, rollouts = setup
     pairs = pairs_by_hand(penalised(penalty))
     assert pairs == expected_pairs
     expected, value = hand_update(path, rollouts, dpo_loss_by_hand(loss_type, pairs))
     update, metrics = step_update(path, OnlineDPO, rows, rollouts, reward_funcs=[table_reward(rollouts, REWARDS)],
-                                  loss_type=loss_type, missing_eos_penalty=penalty, beta=BETA)  # fmt: skip
+                                  loss_type=loss_type, missing_eos_penalty=penalty, beta=BETA,
+                                  sampling={"temperature": temperature})  # fmt: skip
     assert_same_update(update, expected)
     assert metrics["train/valid_pair_frac"] == pytest.approx(len(pairs) / 4)
     # policy == reference at the first step: every margin is 0

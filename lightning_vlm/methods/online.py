@@ -241,7 +241,7 @@ class OnlineRL(RootCalls, RolloutSampling):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         inputs = batch.inputs(index, self.vlm.config)
         logps, entropy = self.vlm.token_logps(
-            inputs, inputs["completion_mask"].bool(), self.sampling.temperature,
+            inputs, inputs["completion_mask"].bool(), self.logps_temperature,
             return_entropy=True, mask_suppressed=True,
         )  # fmt: skip
         w = batch.prompt_width
@@ -250,6 +250,12 @@ class OnlineRL(RootCalls, RolloutSampling):
         mask = batch.completion_mask[index].to(entropy.dtype)
         stats["entropy"] = (entropy[:, w:] * mask).sum() / mask.sum().clamp(min=1)
         return loss, stats
+
+    @property
+    def logps_temperature(self) -> float:
+        """The temperature of the loss's log-probs: the sampling one, so the policy-gradient ratios are
+        those of the distribution the completions were drawn from (TRL's GRPO and RLOO divide too)."""
+        return self.sampling.temperature
 
     @property
     def step_unit(self) -> int:
@@ -294,7 +300,7 @@ class OnlineRL(RootCalls, RolloutSampling):
         model = self.ref if reference else self.vlm
         # As many forwards on every rank (step_layout), each of at most micro_batch_size completions.
         passes = rank_chunks(batch.shard.sizes, batch.shard.rank, 1, self.hparams.micro_batch_size)[0]
-        return batch.frozen_logps(model, self.vlm.config, passes, self.sampling.temperature)
+        return batch.frozen_logps(model, self.vlm.config, passes, self.logps_temperature)
 
     # ---- metrics -------------------------------------------------------------------------------------------
     def log_rollouts(self, batch: RolloutBatch) -> None:

@@ -96,6 +96,12 @@ class OnlineDPO(OnlineRL):
         return False
 
     @property
+    def logps_temperature(self) -> float:
+        # DPO's objective is on the policy itself: the temperature only shapes the sampling, as in TRL's
+        # OnlineDPOTrainer (plain log-softmax); dividing by it would change the loss and its effective β.
+        return 1.0
+
+    @property
     def step_unit(self) -> int:
         return 2  # a pair is one loss term: it never spans micro-batches or steps
 
