@@ -304,6 +304,14 @@ def test_running_mean_is_cumulative_and_checkpointed():
     assert restored.to(torch.bfloat16).count.dtype == torch.long
 
 
+def test_running_mean_keeps_moving_when_the_module_is_cast_to_bfloat16():
+    # The mean was cast too: once n / count put an update under half a bf16 ulp, δ stopped at 1.0.
+    running = RunningMean().to(torch.bfloat16)
+    for step in range(2000):
+        running.update(torch.full((64,), 1.0 if step < 1000 else 2.0, dtype=torch.bfloat16))
+    assert running.mean.dtype == torch.float32 and running().item() == pytest.approx(1.5, abs=1e-5)
+
+
 def test_running_mean_feeds_bco_delta():
     running = RunningMean()
     inp = make_inputs()

@@ -8,7 +8,7 @@ against hand-computed numbers. Notation: ρ = logπ(y|x) - logπ_ref(y|x) (the i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -151,11 +151,20 @@ class RunningMean(nn.Module):
         if n == 0:
             return self.mean.clone()
         total = self.count.item() + n
-        # Accumulate in float64 so the mean does not drift when the buffer was cast to low precision.
+        # Accumulate in float64: the float32 mean of many small updates would drift.
         new_mean = self.mean.double() + (values.double().mean() - self.mean.double()) * (n / total)
         self.mean.copy_(new_mean.to(self.mean.dtype))
         self.count.fill_(total)
         return self.mean.clone()
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> RunningMean:
+        # A cast of the whole module (Lightning "bf16-true", DeepSpeed's bf16) must not reach δ: in
+        # bfloat16 an update falls under half an ulp once the count is large, and δ stops moving.
+        # Device moves still apply.
+        super()._apply(fn, recurse)
+        if self.mean.dtype != torch.float32:
+            self.mean = self.mean.float()
+        return self
 
     def forward(self) -> Tensor:
         """The current mean (δ)."""
@@ -203,8 +212,8 @@ def weighted_preference_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Σ_k w_k · mean_B(loss_k) over TRL-style loss types, with detached TRL-named metrics.
 
-    Only ipo sees length-averaged log-probs; TRL averages every term once ipo is in the list, which
-    silently changes the other losses' scale, so we keep summed log-probs everywhere else.
+    Only ipo sees length-averaged log-probs, as in TRL 1.x's ipo term; every other term keeps summed
+    log-probs, also when ipo is in the list.
     ``sft_normalization`` and ``sft_num_tokens``: see ``sft_nll_loss``.
     """
     weights = _validate(loss_types, loss_weights, beta, label_smoothing)
