@@ -178,12 +178,22 @@ _RESHAPING = (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("repetition_penalty
 
 
 def _check_vllm_correction(method: Any, callbacks: Any) -> None:
-    """The vLLM importance-sampling correction divides the trainer's log-probs (temperature and the
-    suppressed vision tokens applied, nothing else) by vLLM's: both must describe one distribution."""
+    """The vLLM importance-sampling correction and the off-policy mask compare the trainer's log-probs
+    (temperature and the suppressed vision tokens applied, nothing else) with vLLM's: both must
+    describe one distribution."""
     vllm = callbacks.get("vllm_generation")
-    if not vllm or not method.get("vllm_importance_sampling_correction"):
+    compared = [
+        name
+        for name, on in (
+            ("method.vllm_importance_sampling_correction=true", method.get("vllm_importance_sampling_correction")),
+            (f"method.off_policy_mask_threshold={method.get('off_policy_mask_threshold')}",
+             method.get("off_policy_mask_threshold") is not None),
+        )
+        if on
+    ]  # fmt: skip
+    if not vllm or not compared:
         return
-    setting = "method.vllm_importance_sampling_correction=true"
+    setting = " and ".join(compared)
     mode = (vllm.get("engine") or {}).get("logprobs_mode")
     if mode == "raw_logprobs":
         raise ValueError(
@@ -201,9 +211,9 @@ def _check_vllm_correction(method: Any, callbacks: Any) -> None:
         raise ValueError(
             f"{', '.join(reshaped)} with generation by vLLM and {setting}: vLLM's log-probs are those of the "
             "truncated or penalised distribution it samples, the trainer's those of the whole one, so every "
-            "token's ratio is below 1 and a sequence-level correction masks long answers. Set "
-            "top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, or "
-            "method.vllm_importance_sampling_correction=false"
+            "token's ratio is below 1: a sequence-level correction masks long answers, and the off-policy "
+            "mask drops every negative sample. Set top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, "
+            "or turn the setting off"
         )
 
 

@@ -117,6 +117,10 @@ TRAIN_CASES = [
      r"method\.sampling\.repetition_penalty=1\.1 with generation by vLLM", NEW),
     (["method=grpo", "generation=vllm_colocate", "callbacks.vllm_generation.engine.logprobs_mode=raw_logprobs"],
      ValueError, r"logprobs_mode=raw_logprobs with method\.vllm_importance_sampling_correction=true", NEW),
+    # the off-policy mask compares them too: every negative sample would look off-policy
+    (["method=grpo", "generation=vllm_colocate", "method.sampling.top_k=20",
+      "method.vllm_importance_sampling_correction=false", "method.off_policy_mask_threshold=0.5"], ValueError,
+     r"top_k=20 with generation by vLLM and method\.off_policy_mask_threshold=0\.5", NEW),
 ]  # fmt: skip
 
 
@@ -138,7 +142,7 @@ def test_train_py_settings_fail_early_naming_the_setting(
     [
         ["method=grpo", "generation=vllm_colocate", "method.sampling.top_p=0.9",
          "method.vllm_importance_sampling_correction=false"],
-        ["method=grpo", "generation=hf", "method.sampling.top_p=0.9"],
+        ["method=grpo", "generation=hf", "method.sampling.top_p=0.9", "method.off_policy_mask_threshold=0.5"],
         ["method=online_dpo", "generation=vllm_colocate", "method.sampling.top_k=20"],
     ],
     ids=["vllm-correction-off", "hf", "online-dpo"],

@@ -9,6 +9,8 @@ definition (TRL's), on the same model. On-policy the ratio is 1 in value, so a t
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hand_helpers import (
@@ -194,3 +196,23 @@ def _grpo_loss(adv):
 def _logps(path, rollouts):
     with torch.no_grad():
         return completion_logps(VLM(path), rollouts)
+
+
+def test_the_off_policy_mask_measures_the_policys_own_sampling_from_the_old_policy(setup):
+    # HF generate is the policy: its scores are reshaped by top_p / top_k, so log(π_sampler/π) > 0 on
+    # every token and the mask dropped every negative sample of an on-policy step. TRL has no sampler
+    # log-probs there and measures from the old policy (nothing is masked on-policy), as now.
+    path, rows, rollouts = setup
+    reshaped = copy.copy(rollouts)
+    reshaped.logprobs = [[0.0] * len(ids) for ids in rollouts.completion_ids]  # kept mass 1 per token
+    kw = {"reward_funcs": [table_reward(rollouts, REWARDS)], "vllm_importance_sampling_correction": False}
+    plain, _ = step_update(path, GRPO, rows, rollouts, **kw)
+    masked, metrics = step_update(path, GRPO, rows, reshaped, off_policy_mask_threshold=0.1, **kw)
+    assert_same_update(masked, plain)
+    assert metrics["train/off_policy_mask/masked_frac"] == 0.0
+    # A sampler that is not the policy (vLLM) is measured from its own log-probs: negatives are dropped.
+    reshaped.extras = {**reshaped.extras, "is_policy": False}
+    other, metrics = step_update(path, GRPO, rows, reshaped, off_policy_mask_threshold=0.1, **kw)
+    assert differs(other, plain)
+    negatives = sum(a < 0 for a in group_advantages_by_hand(REWARDS, G).tolist())
+    assert metrics["train/off_policy_mask/masked_frac"] == pytest.approx(negatives / len(REWARDS))

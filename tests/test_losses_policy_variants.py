@@ -115,6 +115,12 @@ def test_off_policy_mask_drops_only_negative_far_off_sequences():
                               off_policy_mask_threshold=0.5)  # fmt: skip
     close(loss, (0 + 2 * -1.0 + 2 * 1.0) / 6)  # the dropped tokens still count in the normaliser
     close(stats["off_policy_mask/masked_frac"], 1 / 3)
+    # A sequence without active tokens (a masked truncation) is no sample: it was counted as kept (1/4).
+    padded = torch.cat([mask, torch.zeros(1, 2)])
+    _, stats = policy_loss(torch.zeros(4, 2), None, torch.tensor([-1.0, 1.0, -1.0, -1.0]), padded,
+                           sampler_logps=torch.cat([sampler, torch.zeros(1, 2)]),
+                           off_policy_mask_threshold=0.5)  # fmt: skip
+    close(stats["off_policy_mask/masked_frac"], 1 / 3)
 
 
 def test_bias_corrected_kl_multiplies_k3_by_the_ratio():

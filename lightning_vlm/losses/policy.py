@@ -249,7 +249,8 @@ def policy_loss(
         sampled = old_logps if sampler_logps is None else sampler_logps
         keep = off_policy_mask(logps, sampled, advantages, mask, off_policy_mask_threshold)
         per_token = per_token * keep
-        metrics["off_policy_mask/masked_frac"] = 1.0 - keep.mean()
+        # Over sequences with active tokens (as the other statistics): a fully masked one is no sample.
+        metrics["off_policy_mask/masked_frac"] = 1.0 - _level_mean(keep.expand_as(mask), mask, "sequence")
     if entropy_mask is not None:
         per_token = per_token * entropy_mask.detach()
     if is_weights is not None and loss_type != "vespo":

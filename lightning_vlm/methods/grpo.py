@@ -186,6 +186,7 @@ class GRPO(OnlineRL):
             # subset's mean would sit above any target).
             measured = torch.stack([(entropy.detach() * mask).sum(), mask.sum()])
             self._step_entropy = self._step_entropy.to(measured.device) + measured
+        sampler_logps = None if self.sampler_is_policy(batch.rollouts) else batch.sampler_logps
         loss, stats = policy_loss(
             logps,
             None if batch.old_logps is None else batch.old_logps[index],
@@ -201,7 +202,10 @@ class GRPO(OnlineRL):
             sapo_temperatures=(hp.sapo_temperature_pos, hp.sapo_temperature_neg),
             vespo_shape=self.vespo_shape,
             is_weights=is_weights,
-            sampler_logps=None if batch.sampler_logps is None else batch.sampler_logps[index].to(logps),
+            # The mask measures how far the policy moved from the sampler. The policy's own sampling (HF
+            # generate) is the old policy: its scores are reshaped by top_p/top_k (every sample would look
+            # off-policy), and TRL has no sampler log-probs there either.
+            sampler_logps=None if sampler_logps is None else sampler_logps[index].to(logps),
             off_policy_mask_threshold=hp.off_policy_mask_threshold,
             use_bias_correction_kl=hp.use_bias_correction_kl,
             entropy_mask=entropy_mask,
