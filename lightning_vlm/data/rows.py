@@ -195,6 +195,10 @@ def _check_count(at: _Row, column: str, blocks: int, images: int) -> None:
         )
 
 
+# An SFT row's last N messages that are trained on (its completion); absent: every assistant turn is.
+COMPLETION_MESSAGES = "completion_messages"
+
+
 def _check_answer(at: _Row, column: str, messages: list[dict]) -> None:
     # SFT trains on assistant tokens only: without an assistant turn (or with only empty ones) the
     # row would add nothing but padding to its batch, silently.
@@ -238,16 +242,19 @@ def normalize_row(
             and row.get("prompt") is not None
             and row.get("completion") is not None
         ):
-            # TRL's prompt-completion form: the completion is what is trained on.
+            # TRL's prompt-completion form: the completion is what is trained on (TRL's
+            # completion_only_loss), not assistant turns inside a multi-turn prompt.
             prompt, plain_p = _text_or_conversation(row["prompt"], at, "prompt", "user")
             completion, plain_c = _text_or_conversation(row["completion"], at, "completion", "assistant")
             messages, plain, used = prompt + completion, plain_p + plain_c, ("prompt", "completion")
+            # Counted from the end: a system turn put in front later (RowFormat) moves nothing.
+            out[COMPLETION_MESSAGES] = len(completion)
         else:
             messages, plain = _conversation(_require(row, at, "messages"), at, "messages")
             used = ("messages",)
         _place_images(messages, plain, len(images))
         _check_count(at, used[0], _count_images(messages), len(images))
-        _check_answer(at, used[-1], messages)
+        _check_answer(at, used[-1], messages[len(messages) - out.get(COMPLETION_MESSAGES, len(messages)) :])
         out["messages"] = messages
     elif shape == "preference":
         chosen_raw, rejected_raw = _require(row, at, "chosen"), _require(row, at, "rejected")

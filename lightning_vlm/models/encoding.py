@@ -19,6 +19,8 @@ from collections.abc import Sequence
 import torch
 from PIL import Image
 
+from lightning_vlm.data.rows import COMPLETION_MESSAGES
+
 from .family_rules import image_token_id
 from .image_tokens import NUM_IMAGES_KEY
 from .token_boundaries import TYPE_ID_KEYS, is_token_key, placeholder_shift, split_straddling
@@ -42,20 +44,33 @@ def generation_prompt(processor) -> str:
 
 
 def assistant_char_spans(
-    processor, messages: list[dict], end_of_turn: str
+    processor, messages: list[dict], end_of_turn: str, trained_from: int = 0
 ) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans of its assistant turns (incl. end-of-turn)."""
+    """The rendered conversation and the character spans of its assistant turns (incl. end-of-turn)
+    from message ``trained_from`` on (a prompt-completion row's completion: see ``COMPLETION_MESSAGES``)."""
     text = render(processor, messages)
     spans = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or i < trained_from:
             continue
-        prefix = render(processor, messages[:i], add_generation_prompt=True)
         upto = render(processor, messages[: i + 1])
-        if not (text.startswith(prefix) and text.startswith(upto) and upto.startswith(prefix)):
+        if i == 0:
+            # A conversation opening with the assistant (a greeting): no earlier turns to render (the
+            # template gets an empty list and fails); its turn starts after its header, where the
+            # generation prompt's header (e.g. "<|im_start|>assistant\n") ends.
+            header = generation_prompt(processor)
+            at = upto.find(header) if header else -1
+            prefix = upto[: at + len(header)] if at >= 0 else None
+        else:
+            prefix = render(processor, messages[:i], add_generation_prompt=True)
+        if prefix is None or not (
+            text.startswith(prefix) and text.startswith(upto) and upto.startswith(prefix)
+        ):
             raise ValueError(
-                "the chat template does not render conversations prefix-stably (e.g. it rewrites earlier "
-                "turns), so assistant tokens cannot be located; pass labels yourself"
+                "the chat template does not render this conversation prefix-stably (e.g. it rewrites or drops "
+                "earlier turns, as thinking templates do with earlier reasoning), so its assistant tokens "
+                "cannot be located: train on single-turn rows (or prompt-completion rows, whose prompt is "
+                "not trained on), or use a chat template that renders earlier turns unchanged"
             )
         eot = upto.find(end_of_turn, len(prefix))
         end = eot + len(end_of_turn) if eot >= 0 else len(upto)
@@ -97,15 +112,22 @@ def process(processor, texts: list[str], images, padding_side: str, **kwargs) ->
     return out
 
 
+def _spans(processor, row: dict, end_of_turn: str) -> tuple[str, list[tuple[int, int]]]:
+    messages = row["messages"]
+    trained_from = len(messages) - row.get(COMPLETION_MESSAGES, len(messages))
+    try:
+        return assistant_char_spans(processor, messages, end_of_turn, trained_from)
+    except ValueError as err:
+        raise ValueError(f"SFT row {row_summary(row)}: {err}") from err
+
+
 def encode_sft(processor, config, rows: list[dict], end_of_turn: str, max_length: int | None = None) -> dict:
     """Right-padded training tensors; ``labels`` are -100 except on assistant turns (with end-of-turn).
 
     ``max_length`` truncates from the right; a sample whose last image token lies beyond it raises
     ``ValueError`` (cutting image placeholders breaks the forward, the top complaint of VLM trainers).
     """
-    texts, spans = zip(
-        *(assistant_char_spans(processor, row["messages"], end_of_turn) for row in rows), strict=True
-    )
+    texts, spans = zip(*(_spans(processor, row, end_of_turn) for row in rows), strict=True)
     batch = process(
         processor,
         list(texts),

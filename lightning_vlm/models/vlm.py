@@ -223,7 +223,14 @@ class VLM(torch.nn.Module):
     # ---- encoding ----------------------------------------------------------------------------------------
     def encode_sft(self, rows: list[dict], max_length: int | None = None) -> dict:
         """SFT rows -> right-padded tensors with assistant-only ``labels`` (see ``encoding.encode_sft``)."""
-        return encoding.encode_sft(self.processor, self.config, rows, self.end_of_turn, max_length)
+        inputs = encoding.encode_sft(self.processor, self.config, rows, self.end_of_turn, max_length)
+        # An image inside an assistant turn: its placeholder and marker tokens are no answer text (the
+        # image's features replace them, and generation never samples them), so they are not trained on.
+        labels = inputs["labels"]
+        labels[torch.isin(labels, torch.tensor(self.suppressed_token_ids, dtype=labels.dtype))] = (
+            encoding.IGNORE_INDEX
+        )
+        return inputs
 
     def encode_prompts(
         self, prompts: list[list[dict]], images: Sequence[Sequence[Image.Image]] | None = None

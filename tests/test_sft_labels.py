@@ -1,0 +1,107 @@
+"""What SFT trains on, row shape by row shape, on every tiny family: the labelled text of each row.
+
+A prompt-completion row trains on its completion only (TRL's completion_only_loss), also when its
+prompt holds assistant turns; a conversation may open with the assistant; an image inside an answer
+is not trained on as text; a template that rewrites earlier turns fails naming the row.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from lightning_vlm.data.rows import normalize_row
+from lightning_vlm.models.tiny import TINY_FAMILIES
+from lightning_vlm.models.vlm import VLM
+
+
+def _user(text: str, image: bool = False) -> dict:
+    return {"role": "user", "content": [{"type": "image"}] * image + [{"type": "text", "text": text}]}
+
+
+def _assistant(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+@pytest.fixture(scope="module")
+def vlms(tiny_path):
+    cache: dict[str, VLM] = {}
+
+    def get(family: str) -> VLM:
+        if family not in cache:
+            cache[family] = VLM(tiny_path(family))
+        return cache[family]
+
+    return get
+
+
+def labelled(vlm: VLM, row: dict) -> list[str]:
+    """The labelled runs of one row's tokens, decoded."""
+    batch = vlm.encode_sft([row])
+    runs, current = [], []
+    for token, label in zip(batch["input_ids"][0].tolist(), batch["labels"][0].tolist(), strict=True):
+        if label != -100:
+            assert label == token
+            current.append(token)
+        elif current:
+            runs, current = [*runs, current], []
+    runs += [current] if current else []
+    return [vlm.tokenizer.decode(run) for run in runs]
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_a_prompt_completion_row_trains_on_its_completion_only(vlms, family):
+    # The prompt's assistant turn ("I am not sure.") was trained on too: the row became one conversation.
+    vlm, image = vlms(family), Image.new("RGB", (56, 56), (200, 30, 30))
+    prompt = [_user("What colour?", image=True), _assistant("I am not sure."), _user("Look again.")]
+    row = normalize_row({"prompt": prompt, "completion": [_assistant("red")], "images": [image]}, "sft")
+    whole = normalize_row({"messages": [*prompt, _assistant("red")], "images": [image]}, "sft")
+    trained, conversation = labelled(vlm, row), labelled(vlm, whole)
+    assert len(conversation) == 2 and trained == conversation[1:]
+    assert "red" in trained[0] and vlm.end_of_turn in trained[0]
+    # A completion without an answer is refused, though the prompt holds one.
+    with pytest.raises(ValueError, match="nothing to train on"):
+        normalize_row({"prompt": prompt, "completion": [_assistant(" ")], "images": [image]}, "sft")
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_a_conversation_may_open_with_the_assistant(vlms, family):
+    # The template got an empty conversation for the greeting's prefix: IndexError inside transformers.
+    vlm = vlms(family)
+    messages = [_assistant("Hi! Send a question."), _user("Colour?"), _assistant("red")]
+    runs = labelled(vlm, normalize_row({"messages": messages}, "sft"))
+    assert [r.replace(vlm.end_of_turn, "").strip() for r in runs] == ["Hi! Send a question.", "red"]
+
+
+def test_an_image_inside_an_answer_is_not_trained_on_as_text(vlms):
+    vlm = vlms("qwen2_5_vl")
+    answer = {"role": "assistant", "content": [{"type": "text", "text": "Here:"}, {"type": "image"}]}
+    row = normalize_row(
+        {"messages": [_user("Show it."), answer], "images": [Image.new("RGB", (56, 56))]}, "sft"
+    )
+    batch = vlm.encode_sft([row])
+    labels = batch["labels"][0]
+    assert not torch.isin(labels, torch.tensor(vlm.suppressed_token_ids)).any()
+    assert "Here:" in vlm.tokenizer.decode(labels[labels != -100])
+
+
+def test_a_template_that_rewrites_earlier_turns_names_the_row(vlms):
+    vlm = vlms("qwen2_5_vl")
+    saved = vlm.processor.chat_template
+    # Keeps only the last assistant turn's text (as thinking templates drop earlier reasoning).
+    vlm.processor.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' and not loop.last %}"
+        "...{% else %}{{ m.content if m.content is string else m.content[0].text }}{% endif %}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    try:
+        row = normalize_row(
+            {"messages": [_user("Colour?"), _assistant("red"), _user("Sure?"), _assistant("yes")]}, "sft"
+        )
+        with pytest.raises(
+            ValueError, match=r"SFT row 'Colour\?.*with 0 images: the chat template .* single-turn"
+        ):
+            vlm.encode_sft([row])
+    finally:
+        vlm.processor.chat_template = saved
