@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 
 import lightning as L
 import pytest
@@ -350,3 +351,30 @@ def test_colocated_vllm_refuses_an_engine_core_in_another_process(monkeypatch, t
         ValueError, match=r"VLLM_ENABLE_V1_MULTIPROCESSING=1 .* unset it .* generation=vllm_server"
     ):
         VLLMColocateGenerator(VLM(tiny_path("qwen2_5_vl")))
+
+
+@pytest.mark.parametrize(
+    ("family", "lora", "refused"),
+    [
+        ("gemma3", {"modules_to_save": ["lm_head"]}, "the output head (ModulesToSaveWrapper)"),
+        ("gemma3", {"target_modules": ["embed_tokens", "q_proj"]}, "the input embeddings (Embedding)"),
+        ("gemma3", {}, None),  # LoRA on the attention and MLP layers: head and embeddings stay one
+        ("qwen2_5_vl", {"modules_to_save": ["lm_head"]}, None),  # untied: both are pushed
+    ],
+    ids=["tied-head-copy", "tied-embedding-lora", "tied-plain-lora", "untied-head-copy"],
+)
+def test_a_head_trained_apart_from_tied_embeddings_is_refused_before_vllm_starts(
+    tiny_path, family, lora, refused
+):
+    # vLLM builds a tied checkpoint tied and skips the pushed lm_head as an alias: after one step it
+    # sampled from the untrained matrix (greedy ids all 512 against HF's), silently.
+    from lightning_vlm.generation.vllm_colocate import VLLMColocateGenerator
+    from lightning_vlm.generation.weight_sync import check_tied_head
+    from lightning_vlm.models.vlm import VLM
+
+    vlm = VLM(tiny_path(family), lora={"r": 4, "lora_alpha": 8, **lora})
+    if refused is None:
+        check_tied_head(vlm)
+        return
+    with pytest.raises(ValueError, match=rf"gemma3 ties .* trains {re.escape(refused)} apart"):
+        VLLMColocateGenerator(vlm)  # raises before the engine is built

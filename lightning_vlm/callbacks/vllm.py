@@ -26,6 +26,7 @@ import lightning as L
 from lightning_vlm.generation.base import Generator
 from lightning_vlm.generation.engine_options import EngineOptions
 from lightning_vlm.generation.vllm_server import TRANSFERS, VLLMServerGenerator
+from lightning_vlm.generation.weight_sync import check_tied_head
 from lightning_vlm.methods.online import OnlineRL
 from lightning_vlm.parallel.fsdp import sharded_root, unit_state_chunks
 from lightning_vlm.parallel.steps import partitions_weights
@@ -120,6 +121,7 @@ class VLLMGeneration(L.Callback):
         log.info("vLLM %s generator ready in %.1f s", self.mode, time.perf_counter() - start)
 
     def _build(self, trainer: L.Trainer, vlm: Any) -> Generator:
+        check_tied_head(vlm)  # before a server is started for nothing
         if self.mode == "colocate":
             from lightning_vlm.generation.vllm_colocate import VLLMColocateGenerator
 

@@ -26,7 +26,12 @@ from lightning_vlm.generation.vllm_sampling import (
     request_seeds,
     sampling_kwargs,
 )
-from lightning_vlm.generation.weight_sync import reset_vllm_caches, save_adapter, sync_colocated
+from lightning_vlm.generation.weight_sync import (
+    check_tied_head,
+    reset_vllm_caches,
+    save_adapter,
+    sync_colocated,
+)
 
 log = logging.getLogger(__name__)
 # "merged": full weights with LoRA merged in (any model); "adapter": only the LoRA adapter is pushed
@@ -97,6 +102,7 @@ class VLLMColocateGenerator:
         engine: EngineOptions | Mapping[str, Any] | None = None,
         weight_sync: str = "merged",
     ) -> None:
+        check_tied_head(vlm)
         engine = EngineOptions.build(engine).for_policy(vlm.processor_kwargs)
         if weight_sync not in WEIGHT_SYNCS:
             raise ValueError(f"weight_sync must be one of {WEIGHT_SYNCS}, got {weight_sync!r}")

@@ -23,7 +23,12 @@ import requests
 from lightning_vlm.generation.base import Rollouts, SamplingSettings
 from lightning_vlm.generation.vllm_sampling import build_rollouts, request_seeds, sampling_kwargs
 from lightning_vlm.generation.vllm_server_client import VLLMServerClient, VLLMServerError
-from lightning_vlm.generation.weight_sync import policy_weights, weights_to_bytes, write_weights
+from lightning_vlm.generation.weight_sync import (
+    check_tied_head,
+    policy_weights,
+    weights_to_bytes,
+    write_weights,
+)
 
 log = logging.getLogger(__name__)
 TRANSFERS = ("folder", "body")
@@ -81,6 +86,7 @@ class VLLMServerGenerator:
     ) -> None:  # fmt: skip
         if transfer not in TRANSFERS:
             raise ValueError(f"transfer must be one of {TRANSFERS}, got {transfer!r}")
+        check_tied_head(vlm)
         self.vlm = vlm
         self.client = client
         self.transfer = transfer

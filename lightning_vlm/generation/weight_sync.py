@@ -64,6 +64,46 @@ def _lora_merged_weights(
     return merged
 
 
+def _base_weight(module: torch.nn.Module) -> torch.Tensor:
+    """A layer's own weight, through PEFT's wrappers (a LoRA layer, a modules_to_save copy)."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    if isinstance(module, ModulesToSaveWrapper):
+        return module.original_module.weight
+    if isinstance(module, LoraLayer):
+        return module.get_base_layer().weight
+    return module.weight
+
+
+def check_tied_head(vlm: Any) -> None:
+    """Refuse a policy whose output head can leave its input embeddings while the checkpoint ties them.
+
+    vLLM builds such a model tied (one matrix) and skips a pushed ``lm_head.weight`` as an alias, so a
+    trained copy of the head (``modules_to_save: [lm_head]``) or a LoRA on either side would never reach
+    it: vLLM would sample from other weights than those trained, silently.
+    """
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    model = vlm.hf_model
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embed is None or _base_weight(head) is not _base_weight(embed):
+        return  # untied: both are pushed, each under its own name
+    apart = [
+        f"{side} ({type(module).__name__})"
+        for side, module in (("the output head", head), ("the input embeddings", embed))
+        if isinstance(module, ModulesToSaveWrapper | LoraLayer)
+    ]
+    if apart:
+        raise ValueError(
+            f"vLLM generation: {vlm.model_type} ties its output head to its input embeddings, but "
+            f"model.lora trains {' and '.join(apart)} apart from the other, and vLLM keeps them tied: it "
+            "would sample from the untrained matrix. Keep lm_head out of model.lora.modules_to_save and "
+            "embed_tokens/lm_head out of model.lora.target_modules, or generate with generation=hf"
+        )
+
+
 def policy_weights(
     vlm: Any, chunks: Iterable[dict[str, torch.Tensor]] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
