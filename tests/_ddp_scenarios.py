@@ -7,7 +7,8 @@
 ``rows`` records each rank's rows over one epoch, and over an interrupted and resumed epoch;
 ``fsdp_export`` writes ExportHFModel's folders from FSDP runs (full weights, LoRA merged);
 ``learn:<generation>:<warm start>`` runs GRPO from the warm start and writes the reward before and
-after; ``server:<warm start>`` runs a few steps against one vLLM server (parity after each push).
+after; ``server:<warm start>`` runs a few steps against one vLLM server (parity after each push);
+``server_push_fails:<warm start>`` fails rank 0's second push and records how each rank ended.
 A failing scenario is written to ``OUT/<name>.error`` (rank 0) and the next one still runs.
 """
 
@@ -90,6 +91,35 @@ def server(warm: str, out: Path) -> None:
                  "trainer.limit_train_batches=4", "trainer.val_check_interval=4", "validate_before_fit=false",
                  "callbacks.parity.every=1"]  # fmt: skip
     train(compose_train(overrides, folder))
+
+
+def server_push_fails(warm: str, out: Path) -> None:
+    """Rank 0's second weight push fails (a fault injected where the server would refuse it): each rank
+    writes the error it ended with to ``push_fails/rank<r>.json`` instead of waiting for a version."""
+    from lightning_vlm.generation.vllm_server import VLLMServerGenerator
+    from lightning_vlm.generation.vllm_server_client import VLLMServerError
+
+    folder = out / "push_fails"
+    original, pushes = VLLMServerGenerator.sync_weights, []
+
+    def refused(self, *args, **kwargs):
+        pushes.append(1)
+        if len(pushes) == 2:
+            raise VLLMServerError("injected: the server refused the update")
+        return original(self, *args, **kwargs)
+
+    VLLMServerGenerator.sync_weights = refused
+    overrides = [*learning_overrides(warm, "vllm_server", folder), "callbacks.vllm_generation.start_server=true",
+                 "trainer.limit_train_batches=4", "trainer.val_check_interval=4", "validate_before_fit=false"]  # fmt: skip
+    try:
+        train(compose_train(overrides, folder))
+        ended = {"error": None}
+    except Exception as exc:
+        ended = {"error": type(exc).__name__, "message": str(exc)}
+    finally:
+        VLLMServerGenerator.sync_weights = original
+    rank = torch.distributed.get_rank()
+    (folder / f"rank{rank}.json").write_text(json.dumps(ended))
 
 
 def fsdp_vllm(mode: str, out: Path) -> None:
@@ -187,6 +217,8 @@ def main() -> None:
                 fsdp_vllm(name.split(":", 1)[1], out)
             elif name.startswith("server:"):
                 server(name.split(":", 1)[1], out)
+            elif name.startswith("server_push_fails:"):
+                server_push_fails(name.split(":", 1)[1], out)
             else:
                 raise ValueError(f"unknown scenario {name!r}")
         except Exception:

@@ -12,6 +12,7 @@ Both runs happen in one torchrun launch (``_ddp_scenarios.py``, ~2 min on 2 core
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from ddp_helpers import torchrun
@@ -26,7 +27,9 @@ SCRIPT = ROOT / "tests" / "_ddp_scenarios.py"
 def runs(sft_warm_start, tmp_path_factory):
     warm = sft_warm_start()
     out = tmp_path_factory.mktemp("ddp_online")
-    proc = torchrun(SCRIPT, [str(out), f"learn:vllm_colocate:{warm}", f"server:{warm}"])
+    proc = torchrun(
+        SCRIPT, [str(out), f"learn:vllm_colocate:{warm}", f"server:{warm}", f"server_push_fails:{warm}"]
+    )
     errors = {p.name: p.read_text() for p in out.glob("*.error")}
     if proc.returncode != 0 or errors:
         pytest.fail(f"torchrun failed (rc {proc.returncode}): {errors or proc.stderr[-5000:]}")
@@ -56,3 +59,14 @@ def test_the_server_gets_one_push_per_optimizer_step_before_any_rank_samples(run
     # rank that did not wait for rank 0's push would see "step-(k-1)".
     for probes in _parity(runs / "server"):
         assert [p["weight_version"] for p in probes] == [f"step-{p['step']}" for p in probes]
+
+
+def test_a_failed_push_by_rank_0_ends_every_rank_with_its_error(runs):
+    # Rank 0 raised at once; the other rank waited for a version that never came (reconnect and server
+    # timeouts, 10 min by default), then sat in a collective rank 0 never joined.
+    for rank in (0, 1):
+        ended = json.loads((runs / "push_fails" / f"rank{rank}.json").read_text())
+        assert ended["error"] == "VLLMServerError", (rank, ended)
+        assert re.search(
+            r"weight push of step \d+ \(rank 0\) failed: VLLMServerError: injected", ended["message"]
+        )

@@ -26,6 +26,7 @@ import lightning as L
 from lightning_vlm.generation.base import Generator
 from lightning_vlm.generation.engine_options import EngineOptions
 from lightning_vlm.generation.vllm_server import TRANSFERS, VLLMServerGenerator
+from lightning_vlm.generation.vllm_server_client import VLLMServerError
 from lightning_vlm.generation.weight_sync import check_tied_head
 from lightning_vlm.methods.online import OnlineRL
 from lightning_vlm.parallel.fsdp import sharded_root, unit_state_chunks
@@ -128,7 +129,7 @@ class VLLMGeneration(L.Callback):
             # One engine per rank; different seeds, so the ranks' unseeded draws are independent.
             engine = EngineOptions.build(self.engine, seed=self.engine.seed + trainer.global_rank)
             return VLLMColocateGenerator(vlm, engine=engine, weight_sync=self.weight_sync)
-        from lightning_vlm.generation.vllm_server_client import VLLMServerClient, VLLMServerError
+        from lightning_vlm.generation.vllm_server_client import VLLMServerClient
 
         if self.start_server:
             started = None
@@ -246,12 +247,22 @@ class VLLMGeneration(L.Callback):
             # One push per optimizer step, by rank 0 (every rank holds the same weights after the
             # step); the others wait so that nobody samples from the weights of the step before.
             # The label is the step: every rank knows it, and can tell a restarted server from it.
-            seconds, version = 0.0, f"step-{trainer.global_step}"
+            seconds, version, failed = 0.0, f"step-{trainer.global_step}", None
             if trainer.is_global_zero:
-                seconds = self.generator.sync_weights(chunks, version=version)
-            else:
-                for _ in chunks or ():  # take part in each unit's gather
-                    pass
+                try:
+                    seconds = self.generator.sync_weights(chunks, version=version)
+                except Exception as exc:  # refused, timed out, unreachable: every rank must hear of it
+                    failed = f"{type(exc).__name__}: {exc}"
+            for _ in chunks or ():  # take part in each (remaining) unit's gather
+                pass
+            # Every rank learns how rank 0's push went: a failed one raises everywhere, instead of
+            # leaving the other ranks waiting for a version that never comes, then in a collective.
+            failed = trainer.strategy.broadcast(failed)
+            if failed is not None:
+                raise VLLMServerError(
+                    f"the weight push of step {trainer.global_step} (rank 0) failed: {failed}"
+                )
+            if not trainer.is_global_zero:
                 self.generator.expect_version(version, sharded=chunks is not None)
             trainer.strategy.barrier("vllm_server_weight_sync")
         self.sync_seconds.append(seconds)
