@@ -110,7 +110,6 @@ class VLLMServerGenerator:
         self._pushes = 0
         self._folders: list[Path] = []  # this generator's pushes (only these are ever deleted)
         self._sharded = False
-        self.pusher = True  # False on the ranks that wait for rank 0's pushes (DDP)
         self.resyncs = 0
 
     def set_seed(self, seed: int | None) -> None:
@@ -153,12 +152,15 @@ class VLLMServerGenerator:
         return rollouts
 
     def ensure_weights(self) -> str | None:
-        """The server's weight version, after pushing the policy again if the server lost it."""
+        """The server's weight version, after pushing the policy again if the server lost it (restarted).
+
+        Any rank pushes then, not only the one that pushes each step: under DDP every rank holds the
+        same weights, and a rank that waited for rank 0 could wait for good, rank 0 having got its
+        answers before the restart and moved on into a collective.
+        """
         server = self.client.weight_version()
         if self.version is None or server is None or server == self.version:
             return server
-        if not self.pusher:
-            return self._wait_for_push(server)
         if self._sharded:
             raise VLLMServerError(
                 f"vLLM server at {self.client.url} holds weights {server!r}, not {self.version!r} (restarted?); "
@@ -185,23 +187,9 @@ class VLLMServerGenerator:
         return time.perf_counter() - start
 
     def expect_version(self, version: str, sharded: bool = False) -> None:
-        """Another process pushed the policy as ``version`` (DDP: rank 0 pushes for all, and re-pushes
-        to a restarted server; this one then waits for it)."""
+        """Another process pushed the policy as ``version`` (DDP: rank 0 pushes for all at each step)."""
         self.version = version
         self._sharded = sharded
-        self.pusher = False
-
-    def _wait_for_push(self, server: str | None) -> str | None:
-        deadline = time.monotonic() + self.client.reconnect_timeout + self.client.timeout
-        log.warning("vLLM server at %s holds weights %r, not %r (restarted?): waiting for rank 0 to push them",
-                    self.client.url, server, self.version)  # fmt: skip
-        while server != self.version:
-            if time.monotonic() > deadline:
-                raise VLLMServerError(f"vLLM server at {self.client.url} still holds weights {server!r}, not "
-                                      f"{self.version!r}: the process that pushes them did not")  # fmt: skip
-            time.sleep(1.0)
-            server = self.client.weight_version()
-        return server
 
     def _push(self, chunks: Iterable[dict[str, Any]] | None, version: str) -> None:
         if self.transfer == "body":
