@@ -105,3 +105,32 @@ def test_a_template_that_rewrites_earlier_turns_names_the_row(vlms):
             vlm.encode_sft([row])
     finally:
         vlm.processor.chat_template = saved
+
+
+def test_a_template_that_prints_the_system_content_as_it_is_gets_the_text(vlms):
+    # Gemma 4's template trims messages[0]['content']: rows hold blocks, so every system prompt was the
+    # Python repr "[{'type': 'text', 'text': 'Be brief.'}]", in SFT, preference and generation prompts.
+    from lightning_vlm.generation.vllm_engine import vllm_inputs
+
+    vlm = vlms("qwen2_5_vl")
+    saved = vlm.processor.chat_template
+    vlm.processor.chat_template = (
+        "{% if messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content | trim }}<|im_end|>\n"
+        "{% endif %}{% for m in messages if m.role != 'system' %}<|im_start|>{{ m.role }}\n{% for b in m.content %}"
+        "{% if b.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ b.text }}{% endif %}"
+        "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    try:
+        messages = [{"role": "system", "content": "Be brief."}, _user("Colour?"), _assistant("red")]
+        row = normalize_row({"messages": messages}, "sft")
+        assert isinstance(row["messages"][0]["content"], list)  # rows keep blocks
+        sft = vlm.tokenizer.decode(vlm.encode_sft([row])["input_ids"][0])
+        prompt = vlm.tokenizer.decode(vlm.encode_prompts([row["messages"][:2]])["input_ids"][0])
+        engine = vllm_inputs(vlm.processor, row["messages"][:2], [])["prompt"]
+        for text in (sft, prompt, engine):
+            assert "<|im_start|>system\nBe brief.<|im_end|>" in text and "'type'" not in text
+        assert labelled(vlm, row) == ["red<|im_end|>"]
+    finally:
+        vlm.processor.chat_template = saved
+    # A template that reads the blocks (the tiny Qwen's) still gets them.
+    assert "system\nBe brief." in vlm.tokenizer.decode(vlm.encode_sft([row])["input_ids"][0])

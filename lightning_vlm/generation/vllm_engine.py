@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from lightning_vlm.generation.engine_options import EngineOptions
+from lightning_vlm.models.encoding import render
 
 if TYPE_CHECKING:
     import vllm
@@ -181,7 +182,7 @@ def vllm_inputs(processor: Any, messages: list[dict], images: list[Image.Image])
     The text is not expanded to the processor's image tokens: vLLM expands each placeholder itself,
     and given expanded ids it would expand them a second time.
     """
-    prompt = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt = render(processor, messages, add_generation_prompt=True)
     inputs: dict[str, Any] = {"prompt": prompt}
     if images:
         inputs["multi_modal_data"] = {"image": list(images)}

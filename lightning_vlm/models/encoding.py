@@ -30,9 +30,41 @@ IGNORE_INDEX = -100
 
 def render(processor, messages: list[dict], add_generation_prompt: bool = False) -> str:
     """The chat-templated text of ``messages`` (image blocks become the family's placeholder)."""
+    if _system_as_text(processor):
+        messages = [_text_content(m) if m["role"] == "system" else m for m in messages]
     return processor.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt
     )
+
+
+_PROBE = "system-probe-7f3a"
+
+
+def _system_as_text(processor) -> bool:
+    """Whether the chat template prints a system turn's content as it is, a string expected (Gemma 4's
+    trims ``messages[0]['content']``): rows hold content as blocks, whose list would be printed as its
+    Python repr. Found once per processor by rendering a probe."""
+    template = getattr(processor, "chat_template", None)
+    known, cached = getattr(processor, "_lightning_vlm_system_as_text", (None, None))
+    if cached is None or known != template:
+        probe = [
+            {"role": "system", "content": [{"type": "text", "text": _PROBE}]},
+            {"role": "user", "content": [{"type": "text", "text": "?"}]},
+        ]
+        try:
+            cached = f"'text': '{_PROBE}'" in processor.apply_chat_template(probe, tokenize=False)
+        except Exception:  # a template without system turns: rows with one fail where they are rendered
+            cached = False
+        processor._lightning_vlm_system_as_text = (template, cached)
+    return cached
+
+
+def _text_content(message: dict) -> dict:
+    """A message whose content blocks are all text, with its content as one string."""
+    content = message["content"]
+    if isinstance(content, str) or any(block.get("type") != "text" for block in content):
+        return message
+    return {**message, "content": "".join(block.get("text") or "" for block in content)}
 
 
 def generation_prompt(processor) -> str:
@@ -69,8 +101,10 @@ def assistant_char_spans(
             raise ValueError(
                 "the chat template does not render this conversation prefix-stably (e.g. it rewrites or drops "
                 "earlier turns, as thinking templates do with earlier reasoning), so its assistant tokens "
-                "cannot be located: train on single-turn rows (or prompt-completion rows, whose prompt is "
-                "not trained on), or use a chat template that renders earlier turns unchanged"
+                "cannot be located. With several assistant turns, train on single-turn rows (or "
+                "prompt-completion rows, whose prompt is not trained on); if single-turn rows fail too, the "
+                "template's generation prompt is not how it renders a finished answer (e.g. a prefilled empty "
+                "thought channel). Either way, give the processor a chat template that renders earlier turns unchanged"
             )
         eot = upto.find(end_of_turn, len(prefix))
         end = eot + len(end_of_turn) if eot >= 0 else len(upto)
