@@ -25,13 +25,14 @@ def _number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def check_positive(setting: str, value: Any, allow_none: bool = True, hint: str = "") -> None:
-    """Raise ``ValueError`` naming ``setting`` unless ``value`` is a number > 0 (or None if allowed)."""
+def check_count(setting: str, value: Any, allow_none: bool = True, hint: str = "") -> None:
+    """Raise ``ValueError`` naming ``setting`` unless ``value`` is a whole number > 0 (or None if allowed):
+    sizes and counts (rows, tokens, completions), which a 2.5 breaks far from the setting."""
     if value is None and allow_none:
         return
-    if not _number(value) or value <= 0:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         null = " or null" if allow_none else ""
-        raise ValueError(f"{setting} must be > 0{null}, got {value!r}{hint}")
+        raise ValueError(f"{setting} must be a whole number > 0{null}, got {value!r}{hint}")
 
 
 def check_settings(cfg: DictConfig) -> None:
@@ -40,9 +41,10 @@ def check_settings(cfg: DictConfig) -> None:
     method, model = cfg.get("method") or {}, cfg.get("model") or {}
     online = "num_generations" in method  # GRPO, GSPO, RLOO, Online DPO
     _check_trainer(trainer, online)
-    for key in ("batch_size", "val_batch_size"):
+    # val_batch_size null: batch_size's; batch_size null would make the loader yield single rows.
+    for key, allow_none in (("batch_size", False), ("val_batch_size", True)):
         if key in data:
-            check_positive(f"data.{key}", data.get(key), hint=" (rows per batch and process)")
+            check_count(f"data.{key}", data.get(key), allow_none, hint=" (rows per batch and process)")
     if model.get("model_name_or_path") is not None:
         # Local folders only: whether a hub id can be fetched is said by the scale guard (tiny settings)
         # or by the VLM itself, which also knows the cache folder and revision.
@@ -85,8 +87,8 @@ def _check_trainer(trainer: Any, online: bool) -> None:
 
 
 def _check_online(method: Any, data: Any) -> None:
-    check_positive("method.max_completion_length", method.get("max_completion_length"), allow_none=False)
-    check_positive(
+    check_count("method.max_completion_length", method.get("max_completion_length"), allow_none=False)
+    check_count(
         "method.val_num_generations", method.get("val_num_generations"), allow_none=False,
         hint=" (sampled completions per held-out prompt)",
     )  # fmt: skip
@@ -109,6 +111,14 @@ def _check_online(method: Any, data: Any) -> None:
     top_k = sampling.get("top_k")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 0):
         raise ValueError(f"method.sampling.top_k must be >= 0 or null (0 or null: off), got {top_k!r}")
+    min_p = sampling.get("min_p")
+    if min_p is not None and (not _number(min_p) or not 0 <= min_p <= 1):
+        raise ValueError(f"method.sampling.min_p must be in [0, 1] or null (0 or null: off), got {min_p!r}")
+    penalty = sampling.get("repetition_penalty")
+    if penalty is not None and (not _number(penalty) or penalty <= 0):
+        raise ValueError(
+            f"method.sampling.repetition_penalty must be > 0 or null (1 or null: off), got {penalty!r}"
+        )
     layout = _generation_layout(method, data)
     if layout is not None:
         groups, generations, steps, dynamic = layout

@@ -54,10 +54,20 @@ TRAIN_CASES = [
     (["model=qwen2_5_vl", "model.model_name_or_path=nobody-lvlm/no-such-model"], InstantiationException,
      r"model\.model_name_or_path='nobody-lvlm/no-such-model' .* cannot be fetched offline", NEW),
     # SFT / DPO: a negative max_length reported as cut image tokens
-    (["method.max_length=-5"], InstantiationException, r"method\.max_length must be > 0 or null, got -5", NEW),
-    (["method=dpo", "method.max_length=0"], InstantiationException, r"method\.max_length must be > 0", NEW),
+    (["method.max_length=-5"], InstantiationException, r"method\.max_length must be a whole number > 0 or null, got -5", NEW),
+    (["method=dpo", "method.max_length=0"], InstantiationException, r"method\.max_length must be a whole number > 0", NEW),
     # data and optimizer: the DataLoader's and torch's messages named neither setting
-    (["data.batch_size=0"], ValueError, r"data\.batch_size must be > 0", NEW),
+    (["data.batch_size=0"], ValueError, r"data\.batch_size must be a whole number > 0", NEW),
+    # null made the loader yield single rows (TypeError in the encoder); 2.5 failed in the DataLoader,
+    # 1.5 for validation only at the first validation
+    (["data.batch_size=null"], ValueError, r"data\.batch_size must be a whole number > 0, got None", NEW),
+    (["data.batch_size=2.5"], ValueError, r"data\.batch_size must be a whole number > 0, got 2\.5", NEW),
+    (["data.val_batch_size=1.5"], ValueError, r"data\.val_batch_size must be a whole number > 0 or null, got 1\.5", NEW),
+    (["method=grpo", "method.max_completion_length=2.5"], ValueError, r"method\.max_completion_length must be a whole number", NEW),
+    # failed inside generate at the first step, naming no setting
+    (["method=grpo", "method.sampling.repetition_penalty=0"], ValueError,
+     r"method\.sampling\.repetition_penalty must be > 0 or null", NEW),
+    (["method=rloo", "method.sampling.min_p=2.0"], ValueError, r"method\.sampling\.min_p must be in \[0, 1\]", NEW),
     (["method.optimizer.lr=-1"], ValueError, r"method\.optimizer\.lr must be >= 0, got -1", NEW),
     # online sampling: failed in the loss's log-probs or inside generate, after the first generation
     (["method=grpo", "method.sampling.temperature=0"], ValueError, r"method\.sampling\.temperature must be > 0", NEW),
@@ -65,8 +75,8 @@ TRAIN_CASES = [
     (["method=rloo", "method.sampling.do_sample=false"], ValueError, r"method\.sampling\.do_sample must be true", NEW),
     (["method=grpo", "method.sampling.top_p=0"], ValueError, r"method\.sampling\.top_p must be in \(0, 1\]", NEW),
     (["method=grpo", "method.sampling.top_k=-3"], ValueError, r"method\.sampling\.top_k must be >= 0", NEW),
-    (["method=grpo", "method.max_completion_length=0"], ValueError, r"method\.max_completion_length must be > 0", NEW),
-    (["method=grpo", "method.val_num_generations=0"], ValueError, r"method\.val_num_generations must be > 0", NEW),
+    (["method=grpo", "method.max_completion_length=0"], ValueError, r"method\.max_completion_length must be a whole number > 0", NEW),
+    (["method=grpo", "method.val_num_generations=0"], ValueError, r"method\.val_num_generations must be a whole number > 0", NEW),
     (["method=grpo", "method.steps_per_generation=3"], ValueError,
      r"method\.steps_per_generation=3 does not divide the 32 completions .*data\.batch_size=4", NEW),
     # dynamic sampling trains on one round of the pool: 4 groups of 8, not the 12 prompts' 96 (which split)
@@ -195,7 +205,7 @@ DIRECT_CASES = [
     (lambda vlm, tmp: VLM("/no/such/dir"), FileNotFoundError,
      r"model\.model_name_or_path='/no/such/dir': the local folder"),
     (lambda vlm, tmp: VLM(str(tmp / "weights.bin")), FileNotFoundError, r"model\.model_name_or_path=.* is a file"),
-    (lambda vlm, tmp: SFT(vlm, optimizer=sgd(), max_length=-5), ValueError, r"method\.max_length must be > 0"),
+    (lambda vlm, tmp: SFT(vlm, optimizer=sgd(), max_length=-5), ValueError, r"method\.max_length must be a whole number > 0"),
     (lambda vlm, tmp: RewardScorer(["accuracy_reward"], [1.0, 2.0]), ValueError, r"reward_weights: got 2"),
     (lambda vlm, tmp: RewardScorer(["no_such_reward"]), ValueError, r"'no_such_reward' is neither"),
     (lambda vlm, tmp: GRPO(vlm, optimizer=sgd(), num_generations=0), ValueError, r"num_generations must be >= 1"),

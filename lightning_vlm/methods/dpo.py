@@ -45,7 +45,7 @@ from lightning_vlm.parallel.collectives import (
 )
 from lightning_vlm.parallel.fsdp import sharded_root
 from lightning_vlm.parallel.steps import RootCalls, root_forward
-from lightning_vlm.settings_check import check_positive
+from lightning_vlm.settings_check import check_count
 
 
 def chosen_answers(rows: list[dict]) -> list[str]:
@@ -79,7 +79,7 @@ class DPO(RootCalls, FactoryOptimized):
         """``val_max_new_tokens=None``: the longest chosen answer of the validation set + a margin."""
         super().__init__()
         check_setting(val_max_new_tokens)
-        check_positive("method.max_length", max_length, hint=" (tokens per sequence; null: no truncation)")
+        check_count("method.max_length", max_length, hint=" (tokens per sequence; null: no truncation)")
         if isinstance(loss_type, str):
             raise TypeError(
                 f"loss_type must be a list of names, e.g. [{loss_type}], not the string {loss_type!r}"

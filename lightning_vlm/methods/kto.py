@@ -43,7 +43,7 @@ from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
 from lightning_vlm.parallel.collectives import all_gather_object, gather_cat, mean_normalizer, rank
-from lightning_vlm.settings_check import check_positive
+from lightning_vlm.settings_check import check_count
 
 log = logging.getLogger(__name__)
 # Validation means over the epoch; rewards/margins is their chosen minus rejected (on_validation_epoch_end).
@@ -137,7 +137,7 @@ class KTO(FactoryOptimized):
     ) -> None:
         super().__init__()
         check_setting(val_max_new_tokens)
-        check_positive("method.max_length", max_length, hint=" (tokens per sequence; null: no truncation)")
+        check_count("method.max_length", max_length, hint=" (tokens per sequence; null: no truncation)")
         if loss_type not in KTO_LOSS_TYPES:
             raise ValueError(f"method.loss_type must be one of {KTO_LOSS_TYPES}, got {loss_type!r}")
         if not beta > 0 or desirable_weight < 0 or undesirable_weight < 0:

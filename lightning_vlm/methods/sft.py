@@ -20,7 +20,7 @@ from lightning_vlm.methods.step_window import StepWindow, window_of
 from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_tokens
 from lightning_vlm.models.vlm import VLM
 from lightning_vlm.parallel.collectives import all_reduce_sum, mean_normalizer, world_size
-from lightning_vlm.settings_check import check_positive
+from lightning_vlm.settings_check import check_count
 
 
 class SFT(FactoryOptimized):
@@ -37,7 +37,7 @@ class SFT(FactoryOptimized):
         """``val_max_new_tokens=None``: the longest validation answer + a margin (see ``val_tokens``)."""
         super().__init__()
         check_setting(val_max_new_tokens)
-        check_positive("method.max_length", max_length, hint=" (tokens per sequence; null: no truncation)")
+        check_count("method.max_length", max_length, hint=" (tokens per sequence; null: no truncation)")
         # Factories stay out of hparams: checkpoints then hold plain values and load with weights_only=True.
         self.save_hyperparameters(ignore=["vlm", "optimizer", "scheduler"])
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
