@@ -19,7 +19,7 @@ from typing import Any
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lightning_vlm.parallel.collectives import launcher_rank
 
@@ -42,6 +42,16 @@ def best_per_metric(jobs: list[dict[str, Any]]) -> dict[str, dict[str, Any] | No
             for metric, mode in metrics}  # fmt: skip
 
 
+def sweep_mode(config: DictConfig) -> str:
+    """The direction the sweep optimises ``optimized_metric`` in: the sweeper's own (Optuna's
+    ``direction``: minimize / maximize) where it has one, so the summary agrees with the sweeper's
+    best trial; else ``monitor_mode`` (the checkpoints' direction)."""
+    direction = OmegaConf.select(config, "hydra.sweeper.direction", default=None)
+    if isinstance(direction, str) and direction.lower() in ("minimize", "maximize"):
+        return "min" if direction.lower() == "minimize" else "max"
+    return config.get("monitor_mode", "max")
+
+
 class SweepSummary(Callback):
     """Hydra callback: records each job's result and writes the sweep's summary at the end."""
 
@@ -61,7 +71,7 @@ class SweepSummary(Callback):
         if config.hydra.mode != RunMode.MULTIRUN:  # Hydra calls this after a single run too: no sweep
             return
         self.metric = config.get("optimized_metric")
-        self.mode = config.get("monitor_mode", "max")
+        self.mode = sweep_mode(config)
         failed = job_return.status == JobStatus.FAILED
         # JobReturn.return_value re-raises a failed job's exception; the stored value is what to report
         value = None if failed else job_return.return_value

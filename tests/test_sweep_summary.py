@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from lightning_vlm.sweeps import best_per_metric, render_markdown
 
 
@@ -27,3 +29,27 @@ def test_a_sweep_across_metrics_names_a_best_per_metric_not_one_over_all():
     # best first within each metric, a failed job last in its metric
     assert [line.split("|")[1].strip() for line in table[4:]] == ["2", "0", "4", "3", "1", "5"]
     assert best_per_metric([_job(0, "val/reward", None)]) == {"val/reward": None}
+
+
+def test_the_sweepers_direction_ranks_the_trials(tmp_path):
+    # The summary took monitor_mode (max) while Optuna minimised val/loss: it named the worst trial best.
+    from hydra.core.utils import JobReturn, JobStatus
+    from omegaconf import OmegaConf
+
+    from helpers import compose_train
+    from lightning_vlm.sweeps import SweepSummary
+
+    for direction, best in (("minimize", 0.5), ("maximize", 2.0)):
+        folder = tmp_path / direction
+        cfg = compose_train(["hparams_search=sft_optuna", "optimized_metric=val/loss",
+                             f"hydra.sweeper.direction={direction}", f"hydra.sweep.dir={folder}"])  # fmt: skip
+        cfg = OmegaConf.create(OmegaConf.to_container(cfg))
+        summary = SweepSummary()
+        summary.on_multirun_start(cfg)
+        for num, loss in enumerate([2.0, 0.5]):
+            cfg.hydra.job.num, cfg.hydra.runtime.output_dir = num, str(folder / str(num))
+            summary.on_job_end(
+                cfg, JobReturn(overrides=[f"t={num}"], status=JobStatus.COMPLETED, _return_value=loss)
+            )
+        written = json.loads((folder / "summary.json").read_text())
+        assert written["mode"] == direction[:3] and written["best"]["value"] == best
