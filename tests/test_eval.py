@@ -85,6 +85,25 @@ def test_eval_py_scores_the_checkpoint_and_its_exported_folder_the_same(sft_run,
     assert untrained["metrics"]["val/loss"] != pytest.approx(report["metrics"]["val/loss"], rel=1e-3)
 
 
+@pytest.mark.slow  # a real eval.py -m process
+def test_an_eval_sweep_summary_ranks_the_jobs_by_their_metric(sft_run, tmp_path):
+    # eval.py returned nothing: the summary had empty cells and "no job reported val/answer_accuracy".
+    ckpt = sft_run[0] / "ckpt" / "step2.ckpt"
+    env = {**os.environ, "PROJECT_ROOT": str(tmp_path), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "eval.py"), "-m", f"ckpt_path={ckpt}", *DATA, "optimized_metric=val/loss",
+         "method.val_max_new_tokens=2,4", f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((sweep / "summary.json").read_text())
+    reports = {j["job"]: json.loads((Path(j["dir"]) / "eval.json").read_text()) for j in summary["jobs"]}
+    assert len(reports) == 2
+    for job in summary["jobs"]:
+        assert job["value"] == pytest.approx(reports[job["job"]]["metrics"]["val/loss"])
+
+
 def _weights(out: dict) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in out["module"].vlm.model.named_parameters()}
 
