@@ -53,19 +53,25 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     datamodule, module = build(cfg)
     counter = RowCounter()
     loggers = instantiate_group(cfg.get("logger"))
-    callbacks = [*drop_refused(instantiate_group(cfg.get("callbacks")), cfg.trainer, bool(loggers)), counter]
-    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
-    ckpt_path = checkpoint_to_load(cfg.get("ckpt_path"), trainer)
-    if isinstance(module, DPO | KTO) and ckpt_path is None:
-        # DPO's and KTO's reference is a copy of the model they were built from: scoring an HF folder
-        # against itself gives every implicit reward 0 (preference accuracy 0.5 by construction).
-        log.warning(
-            "Evaluating %s without ckpt_path: the reference is %s itself, so val/rewards/* compare it "
-            "with itself. Evaluate the Lightning checkpoint (reference = the model training began from).",
-            type(module).__name__, cfg.model.model_name_or_path,
-        )  # fmt: skip
-
+    # The W&B run has started (wandb_or_csv): whatever fails below ends it.
     with ending_runs(loggers):
+        callbacks = [
+            *drop_refused(instantiate_group(cfg.get("callbacks")), cfg.trainer, bool(loggers)),
+            counter,
+        ]
+        trainer: L.Trainer = hydra.utils.instantiate(
+            cfg.trainer, callbacks=callbacks, logger=loggers or False
+        )
+        ckpt_path = checkpoint_to_load(cfg.get("ckpt_path"), trainer)
+        if isinstance(module, DPO | KTO) and ckpt_path is None:
+            # DPO's and KTO's reference is a copy of the model they were built from: scoring an HF folder
+            # against itself gives every implicit reward 0 (preference accuracy 0.5 by construction).
+            log.warning(
+                "Evaluating %s without ckpt_path: the reference is %s itself, so val/rewards/* compare it "
+                "with itself. Evaluate the Lightning checkpoint (reference = the model training began from).",
+                type(module).__name__, cfg.model.model_name_or_path,
+            )  # fmt: skip
+
         with restore_errors(ckpt_path, module):
             results = trainer.validate(
                 module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False

@@ -65,10 +65,16 @@ def wandb_or_csv(
     try:
         import wandb  # noqa: F401
 
-        return ResumingWandbLogger(
+        logger = ResumingWandbLogger(
             save_dir=save_dir, project=project, name=name, offline=offline, tags=list(tags or []), **kwargs
         )
-    except Exception as err:  # wandb missing or broken: keep the run, log to CSV
+        # WandbLogger starts wandb when first used, deep inside training, where a wandb that cannot start
+        # (no network, a stale key) ended the run with a traceback. Start it here, on the rank that holds
+        # the run (the others get Lightning's dummy), so such a failure falls back to CSV.
+        if rank_zero_only.rank == 0:
+            logger.experiment  # noqa: B018  (the property starts the run)
+        return logger
+    except Exception as err:  # wandb missing, broken or unable to start: keep the run, log to CSV
         log.warning("wandb unavailable (%s); logging to CSV in %s instead", err, save_dir)
         return CSVLogger(save_dir=save_dir, name=name or "csv")
 

@@ -129,10 +129,14 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     loggers = instantiate_loggers(
         cfg.get("logger"), wandb_run_id(last_checkpoint(callbacks) if ckpt == "last" else ckpt)
     )
-    callbacks = drop_refused(callbacks, cfg.trainer, bool(loggers))
-    callbacks += resume_callbacks(loggers)
-    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    # From here the W&B run has started (wandb_or_csv): whatever fails ends it, or the next job of a
+    # sweep would log into it.
     with ending_runs(loggers):
+        callbacks = drop_refused(callbacks, cfg.trainer, bool(loggers))
+        callbacks += resume_callbacks(loggers)
+        trainer: L.Trainer = hydra.utils.instantiate(
+            cfg.trainer, callbacks=callbacks, logger=loggers or False
+        )
         metrics, initial = _fit(cfg, trainer, module, datamodule)
     return metrics, {
         "initial_metrics": initial,

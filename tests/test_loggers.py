@@ -4,18 +4,45 @@ from __future__ import annotations
 
 import builtins
 
+import pytest
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
-from lightning_vlm.loggers import wandb_account_configured, wandb_or_csv
+from lightning_vlm.loggers import finish_runs, wandb_account_configured, wandb_or_csv
 
 
-def test_no_account_means_offline(tmp_path, monkeypatch):
+@pytest.fixture
+def fresh_wandb():
+    """wandb keeps its settings process-wide from its first start (wandb.setup): each of these tests
+    starts it in another mode, so each gets a fresh one."""
+    import wandb
+
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
+
+def test_no_account_means_offline(tmp_path, monkeypatch, fresh_wandb):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     assert not wandb_account_configured()
     logger = wandb_or_csv(save_dir=str(tmp_path), name="t")
     assert isinstance(logger, WandbLogger) and logger._offline
+    # started when built (see the next test), offline: a folder and no network
+    assert logger._experiment is not None and list((tmp_path / "wandb").glob("offline-run-*"))
+    finish_runs([logger])
+
+
+def test_csv_fallback_when_wandb_cannot_start(tmp_path, monkeypatch, fresh_wandb):
+    # Online without a key (as with a stale key and no network): WandbLogger started wandb only when first
+    # used, inside training, and the run ended with wandb's UsageError instead of falling back to CSV.
+    import wandb
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    logger = wandb_or_csv(save_dir=str(tmp_path), name="t", offline=False)
+    assert isinstance(logger, CSVLogger) and wandb.run is None
 
 
 def test_netrc_entry_counts_as_account(tmp_path, monkeypatch):
@@ -38,3 +65,17 @@ def test_csv_fallback_when_wandb_cannot_import(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_wandb)
     logger = wandb_or_csv(save_dir=str(tmp_path), name="t", offline=True)
     assert isinstance(logger, CSVLogger)
+
+
+def test_a_job_that_fails_before_fit_ends_its_wandb_run(tmp_path, monkeypatch, fresh_wandb):
+    # The run starts when the logger is built; a trainer that cannot be built left it open, and the next
+    # job of a sweep (same process) logged into it.
+    import wandb
+
+    from helpers import compose_train
+    from lightning_vlm.training import train
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    with pytest.raises(Exception, match="no_such_option"):
+        train(compose_train(["logger=wandb", "+trainer.no_such_option=1"], tmp_path))
+    assert wandb.run is None

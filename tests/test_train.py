@@ -89,7 +89,7 @@ def test_a_sweep_with_a_failed_job_still_writes_the_summary_of_every_job(tmp_pat
     (summary_file,) = (tmp_path / "logs").glob("*/multiruns/*/summary.json")
     jobs = json.loads(summary_file.read_text())["jobs"]
     assert [j["status"] for j in jobs] == ["completed", "failed"]
-    assert "data.batch_size must be > 0" in jobs[1]["error"]
+    assert "data.batch_size must be a whole number > 0" in jobs[1]["error"]
     assert "| failed |" in (summary_file.parent / "summary.md").read_text()
 
 
