@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_vlm.ckpt_path import checkpoint_to_load, restore_errors
-from lightning_vlm.loggers import ending_runs
+from lightning_vlm.loggers import ending_runs, start_runs
 from lightning_vlm.methods.dpo import DPO
 from lightning_vlm.methods.kto import KTO
 from lightning_vlm.parallel.teardown import shut_down_at_exit
@@ -52,8 +52,8 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     shut_down_at_exit()  # before any process group exists (see parallel/teardown.py)
     datamodule, module = build(cfg)
     counter = RowCounter()
-    loggers = instantiate_group(cfg.get("logger"))
-    # The W&B run has started (wandb_or_csv): whatever fails below ends it.
+    loggers = start_runs(instantiate_group(cfg.get("logger")))
+    # The W&B run has started: whatever fails below ends it.
     with ending_runs(loggers):
         callbacks = [
             *drop_refused(instantiate_group(cfg.get("callbacks")), cfg.trainer, bool(loggers)),

@@ -65,18 +65,31 @@ def wandb_or_csv(
     try:
         import wandb  # noqa: F401
 
-        logger = ResumingWandbLogger(
+        return ResumingWandbLogger(
             save_dir=save_dir, project=project, name=name, offline=offline, tags=list(tags or []), **kwargs
         )
-        # WandbLogger starts wandb when first used, deep inside training, where a wandb that cannot start
-        # (no network, a stale key) ended the run with a traceback. Start it here, on the rank that holds
-        # the run (the others get Lightning's dummy), so such a failure falls back to CSV.
-        if rank_zero_only.rank == 0:
-            logger.experiment  # noqa: B018  (the property starts the run)
-        return logger
-    except Exception as err:  # wandb missing, broken or unable to start: keep the run, log to CSV
+    except Exception as err:  # wandb missing or broken: keep the run, log to CSV
         log.warning("wandb unavailable (%s); logging to CSV in %s instead", err, save_dir)
         return CSVLogger(save_dir=save_dir, name=name or "csv")
+
+
+def start_runs(loggers: list[Logger]) -> list[Logger]:
+    """``loggers`` with each W&B run started, or the logger replaced by CSV where wandb cannot start.
+
+    WandbLogger starts wandb when first used, deep inside training, where a wandb that cannot start (no
+    network, no key or a stale one) ended the run with a traceback. ``train()`` and eval start it here,
+    on the rank that holds the run (the others get Lightning's dummy), so such a failure falls back.
+    """
+    out: list[Logger] = []
+    for lg in loggers:
+        if isinstance(lg, WandbLogger) and rank_zero_only.rank == 0:
+            try:
+                lg.experiment  # noqa: B018  (the property starts the run)
+            except Exception as err:
+                log.warning("wandb could not start (%s); logging to CSV in %s instead", err, lg.save_dir)
+                lg = CSVLogger(save_dir=lg.save_dir or ".", name="csv")
+        out.append(lg)
+    return out
 
 
 def finish_runs(loggers: list[Logger], exit_code: int | None = None) -> None:

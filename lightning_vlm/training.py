@@ -18,7 +18,7 @@ from lightning_vlm.callbacks.export import publish_after_fit
 from lightning_vlm.callbacks.resume import BatchCountAfterResume, NextEpochAfterRestart
 from lightning_vlm.callbacks.run_report import finish_reports
 from lightning_vlm.ckpt_path import checkpoint_to_load, last_checkpoint, restore_errors
-from lightning_vlm.loggers import WandbRunId, builds_wandb, ending_runs, wandb_run_id
+from lightning_vlm.loggers import WandbRunId, builds_wandb, ending_runs, start_runs, wandb_run_id
 from lightning_vlm.models.scale_guard import check_model_scale
 from lightning_vlm.parallel.collectives import launcher_rank
 from lightning_vlm.parallel.teardown import shut_down_at_exit
@@ -129,8 +129,9 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     loggers = instantiate_loggers(
         cfg.get("logger"), wandb_run_id(last_checkpoint(callbacks) if ckpt == "last" else ckpt)
     )
-    # From here the W&B run has started (wandb_or_csv): whatever fails ends it, or the next job of a
-    # sweep would log into it.
+    # From here the W&B run has started: whatever fails ends it, or the next job of a sweep would log
+    # into it.
+    loggers = start_runs(loggers)
     with ending_runs(loggers):
         callbacks = drop_refused(callbacks, cfg.trainer, bool(loggers))
         callbacks += resume_callbacks(loggers)

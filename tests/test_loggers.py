@@ -7,7 +7,7 @@ import builtins
 import pytest
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
-from lightning_vlm.loggers import finish_runs, wandb_account_configured, wandb_or_csv
+from lightning_vlm.loggers import finish_runs, start_runs, wandb_account_configured, wandb_or_csv
 
 
 @pytest.fixture
@@ -28,21 +28,22 @@ def test_no_account_means_offline(tmp_path, monkeypatch, fresh_wandb):
     assert not wandb_account_configured()
     logger = wandb_or_csv(save_dir=str(tmp_path), name="t")
     assert isinstance(logger, WandbLogger) and logger._offline
-    # started when built (see the next test), offline: a folder and no network
-    assert logger._experiment is not None and list((tmp_path / "wandb").glob("offline-run-*"))
+    (started,) = start_runs([logger])  # offline: a folder and no network
+    assert started is logger and list((tmp_path / "wandb").glob("offline-run-*"))
     finish_runs([logger])
 
 
 def test_csv_fallback_when_wandb_cannot_start(tmp_path, monkeypatch, fresh_wandb):
-    # Online without a key (as with a stale key and no network): WandbLogger started wandb only when first
-    # used, inside training, and the run ended with wandb's UsageError instead of falling back to CSV.
+    # Online without a key (as with a stale key and no network): WandbLogger starts wandb when first used,
+    # inside training, and the run ended with wandb's UsageError instead of falling back to CSV.
     import wandb
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     logger = wandb_or_csv(save_dir=str(tmp_path), name="t", offline=False)
-    assert isinstance(logger, CSVLogger) and wandb.run is None
+    (started,) = start_runs([logger])  # what train() and eval do first
+    assert isinstance(started, CSVLogger) and wandb.run is None
 
 
 def test_netrc_entry_counts_as_account(tmp_path, monkeypatch):
