@@ -140,6 +140,14 @@ def test_an_odd_max_samples_keeps_whole_pairs(folder, limit, kept, caplog):  # n
     assert len(dm.train_dataset) == len(dm.val_dataset) == kept
     assert dm.label_counts() == (kept // 2, kept // 2)
     assert ("whole pairs" in caplog.text) == (limit != kept)
+    # Held out of train (val_fraction), the validation pairs are cut whole too; with no validation at all
+    # the setting has nothing to cut.
+    dm = UnpairedDataModule(train=path, val_fraction=0.5, max_val_samples=limit, shuffle=False)
+    dm.setup()
+    assert len(dm.val_dataset) == min(kept, 4) and len(dm.val_dataset) % 2 == 0
+    dm = UnpairedDataModule(train=path, max_val_samples=limit, shuffle=False)
+    dm.setup()
+    assert dm.val_dataset is None and len(dm.train_dataset) == 8
     unpaired = [{"prompt": f"q{i}", "completion": "a", "label": i % 3 == 0} for i in range(6)]
     dm = UnpairedDataModule(train=write(folder, "jsonl", unpaired), max_samples=limit, shuffle=False)
     dm.setup()

@@ -184,6 +184,7 @@ class VLMDataModule(L.LightningDataModule):
         if hp.val_fraction:
             held = self._held_out(train, indices)
             val, val_indices = train, [i for i in indices if i in held]
+            val_indices = val_indices[: self.row_limit(train, hp.max_val_samples)]
             indices = [i for i in indices if i not in held]
             if not indices:
                 raise NoRowsError(
@@ -193,13 +194,12 @@ class VLMDataModule(L.LightningDataModule):
         elif hp.val is not None or train.trusted:
             spec = hp.val if hp.val is not None else self._synthetic_val_spec()
             val = self.load(spec, hp.val_split, hp.val_split)
+            # the scan reads no further than the limit
             limit = self.row_limit(val, hp.max_val_samples)
             val_indices, skipped = scan(val, self.row_format, limit, hp.on_bad_row)
             self.skipped.update(skipped)
             if skipped:  # validation silently off because every row was skipped: say so instead
                 require_rows(val_indices, skipped, val, "data.val")
-        if hp.max_val_samples is not None:
-            val_indices = val_indices[: self.row_limit(val, hp.max_val_samples)]
         self.train_dataset = self._dataset(train, indices)
         self.val_dataset = self._dataset(val, val_indices) if val is not None and val_indices else None
 
