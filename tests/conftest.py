@@ -28,6 +28,21 @@ def tiny_path():
     return get
 
 
+@pytest.fixture(scope="module")
+def vlms(tiny_path):
+    """Returns a function family -> that family's tiny VLM as built by default (one per module)."""
+    from lightning_vlm.models.vlm import VLM
+
+    cache: dict[str, VLM] = {}
+
+    def get(family: str) -> VLM:
+        if family not in cache:
+            cache[family] = VLM(tiny_path(family))
+        return cache[family]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def sft_warm_start():
     """Returns a function -> folder of the tiny Qwen2.5-VL's SFT warm start: the one the default online

@@ -16,18 +16,6 @@ from lightning_vlm.models.vlm import PRIVATE_KEYS, VLM
 FAMILIES = ("qwen2_5_vl", "gemma3")
 
 
-@pytest.fixture(scope="module")
-def vlms(tiny_path):
-    cache: dict[str, VLM] = {}
-
-    def get(family: str) -> VLM:
-        if family not in cache:
-            cache[family] = VLM(tiny_path(family))
-        return cache[family]
-
-    return get
-
-
 def test_cut_at_eos_keeps_eos_and_flags_truncation():
     assert cut_at_eos([4, 5, 9, 1, 1], {9}) == ([4, 5, 9], False)
     assert cut_at_eos([4, 5, 6], {9}) == ([4, 5, 6], True)

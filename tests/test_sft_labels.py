@@ -7,6 +7,9 @@ is not trained on as text; a template that rewrites earlier turns fails naming t
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 from PIL import Image
@@ -24,16 +27,14 @@ def _assistant(text: str) -> dict:
     return {"role": "assistant", "content": text}
 
 
-@pytest.fixture(scope="module")
-def vlms(tiny_path):
-    cache: dict[str, VLM] = {}
-
-    def get(family: str) -> VLM:
-        if family not in cache:
-            cache[family] = VLM(tiny_path(family))
-        return cache[family]
-
-    return get
+@contextlib.contextmanager
+def chat_template(vlm: VLM, template: str) -> Iterator[None]:
+    """``vlm``'s processor renders with ``template`` inside the block (the module shares its VLMs)."""
+    saved, vlm.processor.chat_template = vlm.processor.chat_template, template
+    try:
+        yield
+    finally:
+        vlm.processor.chat_template = saved
 
 
 def labelled(vlm: VLM, row: dict) -> list[str]:
@@ -88,14 +89,13 @@ def test_an_image_inside_an_answer_is_not_trained_on_as_text(vlms):
 
 def test_a_template_that_rewrites_earlier_turns_names_the_row(vlms):
     vlm = vlms("qwen2_5_vl")
-    saved = vlm.processor.chat_template
     # Keeps only the last assistant turn's text (as thinking templates drop earlier reasoning).
-    vlm.processor.chat_template = (
+    with chat_template(
+        vlm,
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' and not loop.last %}"
         "...{% else %}{{ m.content if m.content is string else m.content[0].text }}{% endif %}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    try:
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    ):
         row = normalize_row(
             {"messages": [_user("Colour?"), _assistant("red"), _user("Sure?"), _assistant("yes")]}, "sft"
         )
@@ -103,8 +103,6 @@ def test_a_template_that_rewrites_earlier_turns_names_the_row(vlms):
             ValueError, match=r"SFT row 'Colour\?.*with 0 images: the chat template .* single-turn"
         ):
             vlm.encode_sft([row])
-    finally:
-        vlm.processor.chat_template = saved
 
 
 def test_a_template_that_prints_the_system_content_as_it_is_gets_the_text(vlms):
@@ -113,14 +111,13 @@ def test_a_template_that_prints_the_system_content_as_it_is_gets_the_text(vlms):
     from lightning_vlm.generation.vllm_engine import vllm_inputs
 
     vlm = vlms("qwen2_5_vl")
-    saved = vlm.processor.chat_template
-    vlm.processor.chat_template = (
+    with chat_template(
+        vlm,
         "{% if messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content | trim }}<|im_end|>\n"
         "{% endif %}{% for m in messages if m.role != 'system' %}<|im_start|>{{ m.role }}\n{% for b in m.content %}"
         "{% if b.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ b.text }}{% endif %}"
-        "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    try:
+        "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    ):
         messages = [{"role": "system", "content": "Be brief."}, _user("Colour?"), _assistant("red")]
         row = normalize_row({"messages": messages}, "sft")
         assert isinstance(row["messages"][0]["content"], list)  # rows keep blocks
@@ -130,7 +127,5 @@ def test_a_template_that_prints_the_system_content_as_it_is_gets_the_text(vlms):
         for text in (sft, prompt, engine):
             assert "<|im_start|>system\nBe brief.<|im_end|>" in text and "'type'" not in text
         assert labelled(vlm, row) == ["red<|im_end|>"]
-    finally:
-        vlm.processor.chat_template = saved
     # A template that reads the blocks (the tiny Qwen's) still gets them.
     assert "system\nBe brief." in vlm.tokenizer.decode(vlm.encode_sft([row])["input_ids"][0])
