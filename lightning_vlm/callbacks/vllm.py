@@ -122,7 +122,6 @@ class VLLMGeneration(L.Callback):
         log.info("vLLM %s generator ready in %.1f s", self.mode, time.perf_counter() - start)
 
     def _build(self, trainer: L.Trainer, vlm: Any) -> Generator:
-        check_tied_head(vlm)  # before a server is started for nothing
         if self.mode == "colocate":
             from lightning_vlm.generation.vllm_colocate import VLLMColocateGenerator
 
@@ -132,6 +131,7 @@ class VLLMGeneration(L.Callback):
         from lightning_vlm.generation.vllm_server_client import VLLMServerClient
 
         if self.start_server:
+            check_tied_head(vlm)  # the generator checks too, but only once the server has started
             started = None
             if trainer.is_global_zero:
                 started = self._launch(vlm.full_model_path, Path(trainer.default_root_dir))

@@ -248,13 +248,13 @@ def normalize_row(
             completion, plain_c = _text_or_conversation(row["completion"], at, "completion", "assistant")
             messages, plain, used = prompt + completion, plain_p + plain_c, ("prompt", "completion")
             # Counted from the end: a system turn put in front later (RowFormat) moves nothing.
-            out[COMPLETION_MESSAGES] = len(completion)
+            out[COMPLETION_MESSAGES], trained = len(completion), completion
         else:
             messages, plain = _conversation(_require(row, at, "messages"), at, "messages")
-            used = ("messages",)
+            used, trained = ("messages",), messages
         _place_images(messages, plain, len(images))
         _check_count(at, used[0], _count_images(messages), len(images))
-        _check_answer(at, used[-1], messages[len(messages) - out.get(COMPLETION_MESSAGES, len(messages)) :])
+        _check_answer(at, used[-1], trained)
         out["messages"] = messages
     elif shape == "preference":
         chosen_raw, rejected_raw = _require(row, at, "chosen"), _require(row, at, "rejected")

@@ -65,7 +65,6 @@ class VLM(torch.nn.Module):
         # An adapter folder loads as its base model with the adapter merged in; vLLM, which needs a full
         # model on disk, loads that base, and the first weight sync brings the merged weights.
         self.full_model_path, adapters = adapter_chain(model_name_or_path)
-        self.from_adapter_folder = bool(adapters)
         if adapters:
             check_model_source(self.full_model_path, f"base_model_name_or_path in {adapters[0]}", **where)
         model = AutoModelForImageTextToText.from_pretrained(
@@ -140,6 +139,11 @@ class VLM(torch.nn.Module):
         vision_every_rank.attach(self, LANGUAGE_ATTRS)
 
     # ---- structure, across families and through PEFT -------------------------------------------------
+    @property
+    def from_adapter_folder(self) -> bool:
+        """Whether ``model_name_or_path`` is an adapter folder, merged into its base when loaded."""
+        return self.full_model_path != self.model_name_or_path
+
     @property
     def is_lora(self) -> bool:
         """Whether the model carries PEFT adapters (the reference is then the adapter-disabled model)."""
