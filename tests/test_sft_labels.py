@@ -129,3 +129,35 @@ def test_a_template_that_prints_the_system_content_as_it_is_gets_the_text(vlms):
         assert labelled(vlm, row) == ["red<|im_end|>"]
     # A template that reads the blocks (the tiny Qwen's) still gets them.
     assert "system\nBe brief." in vlm.tokenizer.decode(vlm.encode_sft([row])["input_ids"][0])
+
+
+def test_a_generation_prompt_prefill_is_prompt_in_sft_and_preference_rows(vlms):
+    # Gemma 4 12B/26B/31B prefill an empty thought channel in the generation prompt, which a finished turn
+    # lacks: every SFT and DPO row failed the prefix check. The answer follows the prefill, as in generation.
+    from lightning_vlm.methods.preference_batch import answer_ids
+    from lightning_vlm.models.tiny_templates import GEMMA4_TEMPLATE
+
+    vlm, prefill = vlms("gemma4"), "<|channel>thought\n<channel|>"
+    template = GEMMA4_TEMPLATE.replace(
+        "'<|turn>model\\n' -}}{%- endif", "'<|turn>model\\n<|channel>thought\\n<channel|>' -}}{%- endif"
+    )
+    assert template != GEMMA4_TEMPLATE
+    with chat_template(vlm, template):
+        prompt = [_user("Colour?")]
+        row = normalize_row({"messages": [*prompt, _assistant("red")]}, "sft")
+        batch = vlm.encode_sft([row])
+        head = vlm.encode_prompts([prompt])["input_ids"][0].tolist()
+        ids = batch["input_ids"][0].tolist()
+        assert ids[: len(head)] == head and vlm.tokenizer.decode(head).endswith(prefill)
+        assert labelled(vlm, row) == ["red<turn|>"]
+        # The preference answer is the same tokens after the same prompt.
+        answer = answer_ids(vlm, prompt, [_assistant("red")], "test")
+        assert (
+            head + answer == ids[: len(head) + len(answer)] and vlm.tokenizer.decode(answer) == "red<turn|>"
+        )
+        # Every trained turn follows the prefill; one opening the conversation too.
+        messages = [_assistant("Hi!"), _user("Colour?"), _assistant("red"), _user("Sure?"), _assistant("yes")]
+        conversation = normalize_row({"messages": messages}, "sft")
+        assert labelled(vlm, conversation) == ["Hi!<turn|>", "red<turn|>", "yes<turn|>"]
+        text = vlm.tokenizer.decode(vlm.encode_sft([conversation])["input_ids"][0])
+        assert text.count(f"<|turn>model\n{prefill}") == 3

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_vlm.models.encoding import render, row_summary
+from lightning_vlm.models.chat_render import answer_header, render
+from lightning_vlm.models.encoding import row_summary
 from lightning_vlm.models.image_tokens import repeat_samples
 from lightning_vlm.models.vision_cache import repeated_groups, with_image_groups
 
@@ -33,12 +34,14 @@ def answer_ids(vlm, prompt: list[dict], answer: list[dict], where: str) -> list[
     """Token ids of ``answer`` (assistant messages) after ``prompt``'s generation prompt, up to end-of-turn."""
     head = render(vlm.processor, prompt, add_generation_prompt=True)
     full = render(vlm.processor, prompt + answer)
-    if not full.startswith(head):
+    # A generation prompt's prefill that a finished turn lacks (Gemma 4 12B+): the answer follows it.
+    start = len(head) - len(answer_header(vlm.processor)[1])
+    if not full.startswith(head[:start]):
         raise ValueError(
             f"{where}: the chat template does not render the prompt as a prefix of prompt + answer, "
             "so the answer tokens cannot be separated"
         )
-    tail = full[len(head) :]
+    tail = full[start:]
     # Keep everything up to the last end-of-turn (what generation stops at); drop template trailers.
     end = tail.rfind(vlm.end_of_turn)
     tail = tail[: end + len(vlm.end_of_turn)] if end >= 0 else tail

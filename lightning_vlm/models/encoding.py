@@ -21,6 +21,7 @@ from PIL import Image
 
 from lightning_vlm.data.rows import COMPLETION_MESSAGES
 
+from .chat_render import answer_header, generation_prompt, render  # noqa: F401 (generation_prompt: re-exported)
 from .family_rules import image_token_id
 from .image_tokens import NUM_IMAGES_KEY
 from .token_boundaries import TYPE_ID_KEYS, is_token_key, placeholder_shift, split_straddling
@@ -28,59 +29,17 @@ from .token_boundaries import TYPE_ID_KEYS, is_token_key, placeholder_shift, spl
 IGNORE_INDEX = -100
 
 
-def render(processor, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    """The chat-templated text of ``messages`` (image blocks become the family's placeholder)."""
-    if _system_as_text(processor):
-        messages = [_text_content(m) if m["role"] == "system" else m for m in messages]
-    return processor.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
-
-
-_PROBE = "system-probe-7f3a"
-
-
-def _system_as_text(processor) -> bool:
-    """Whether the chat template prints a system turn's content as it is, a string expected (Gemma 4's
-    trims ``messages[0]['content']``): rows hold content as blocks, whose list would be printed as its
-    Python repr. Found once per processor by rendering a probe."""
-    template = getattr(processor, "chat_template", None)
-    known, cached = getattr(processor, "_lightning_vlm_system_as_text", (None, None))
-    if cached is None or known != template:
-        probe = [
-            {"role": "system", "content": [{"type": "text", "text": _PROBE}]},
-            {"role": "user", "content": [{"type": "text", "text": "?"}]},
-        ]
-        try:
-            cached = f"'text': '{_PROBE}'" in processor.apply_chat_template(probe, tokenize=False)
-        except Exception:  # a template without system turns: rows with one fail where they are rendered
-            cached = False
-        processor._lightning_vlm_system_as_text = (template, cached)
-    return cached
-
-
-def _text_content(message: dict) -> dict:
-    """A message whose content blocks are all text, with its content as one string."""
-    content = message["content"]
-    if isinstance(content, str) or any(block.get("type") != "text" for block in content):
-        return message
-    return {**message, "content": "".join(block.get("text") or "" for block in content)}
-
-
-def generation_prompt(processor) -> str:
-    """What the chat template appends to open the assistant's turn for generation: the role header, and
-    for thinking models (Qwen3-VL-Thinking) a prefilled ``<think>``, which completions then lack."""
-    messages = [{"role": "user", "content": [{"type": "text", "text": "?"}]}]
-    bare, opened = render(processor, messages), render(processor, messages, add_generation_prompt=True)
-    return opened[len(bare) :] if opened.startswith(bare) else ""
-
-
 def assistant_char_spans(
     processor, messages: list[dict], end_of_turn: str, trained_from: int = 0
 ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant turns (incl. end-of-turn)
-    from message ``trained_from`` on (a prompt-completion row's completion: see ``COMPLETION_MESSAGES``)."""
+    from message ``trained_from`` on (a prompt-completion row's completion: see ``COMPLETION_MESSAGES``).
+
+    Where the generation prompt prefills what a finished turn lacks (``answer_header``), the prefill is
+    put before each trained turn, as prompt: the answer is trained after what generation conditions on.
+    """
     text = render(processor, messages)
+    header, prefill = answer_header(processor)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant" or i < trained_from:
@@ -90,11 +49,11 @@ def assistant_char_spans(
             # A conversation opening with the assistant (a greeting): no earlier turns to render (the
             # template gets an empty list and fails); its turn starts after its header, where the
             # generation prompt's header (e.g. "<|im_start|>assistant\n") ends.
-            header = generation_prompt(processor)
             at = upto.find(header) if header else -1
             prefix = upto[: at + len(header)] if at >= 0 else None
         else:
-            prefix = render(processor, messages[:i], add_generation_prompt=True)
+            opened = render(processor, messages[:i], add_generation_prompt=True)
+            prefix = opened[: len(opened) - len(prefill)] if opened.endswith(prefill) else None
         if prefix is None or not (
             text.startswith(prefix) and text.startswith(upto) and upto.startswith(prefix)
         ):
@@ -103,13 +62,26 @@ def assistant_char_spans(
                 "earlier turns, as thinking templates do with earlier reasoning), so its assistant tokens "
                 "cannot be located. With several assistant turns, train on single-turn rows (or "
                 "prompt-completion rows, whose prompt is not trained on); if single-turn rows fail too, the "
-                "template's generation prompt is not how it renders a finished answer (e.g. a prefilled empty "
-                "thought channel). Either way, give the processor a chat template that renders earlier turns unchanged"
+                "template's generation prompt is not how it renders a finished answer. Either way, give the "
+                "processor a chat template that renders earlier turns unchanged"
             )
         eot = upto.find(end_of_turn, len(prefix))
         end = eot + len(end_of_turn) if eot >= 0 else len(upto)
         spans.append((len(prefix), end))
-    return text, spans
+    return _with_prefill(text, spans, prefill)
+
+
+def _with_prefill(text: str, spans: list[tuple[int, int]], prefill: str) -> tuple[str, list[tuple[int, int]]]:
+    """``text`` with ``prefill`` inserted where each span starts, and the spans moved past it."""
+    if not prefill:
+        return text, spans
+    pieces, moved, last = [], [], 0
+    for k, (lo, hi) in enumerate(spans):
+        pieces += [text[last:lo], prefill]
+        shift = (k + 1) * len(prefill)
+        moved.append((lo + shift, hi + shift))
+        last = lo
+    return "".join(pieces) + text[last:], moved
 
 
 def row_summary(row: dict) -> str:

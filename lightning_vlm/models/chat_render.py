@@ -1,0 +1,91 @@
+"""Chat-templated text, and what a template's generation prompt is, found by rendering probes.
+
+Rows hold message content as typed blocks; templates differ in what they print (Gemma 4 prints a system
+turn's content as it is) and in how the generation prompt relates to a finished turn (Gemma 4's
+12B/26B/31B templates prefill an empty thought channel that finished turns lack). Each such fact is
+found once per processor and chat template by rendering a probe, and cached on the processor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+_PROBE = "system-probe-7f3a"
+_ANSWER_PROBE = "answer-probe-7f3a"
+_USER = {"role": "user", "content": [{"type": "text", "text": "?"}]}
+
+
+def render(processor, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """The chat-templated text of ``messages`` (image blocks become the family's placeholder)."""
+    if _system_as_text(processor):
+        messages = [_text_content(m) if m["role"] == "system" else m for m in messages]
+    return processor.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+
+def _cached(processor, name: str, probe: Callable[[], Any]) -> Any:
+    """``probe()``, computed once per processor and chat template (a test or user may swap templates)."""
+    template = getattr(processor, "chat_template", None)
+    known, value = getattr(processor, name, (None, None))
+    if value is None or known != template:
+        value = probe()
+        setattr(processor, name, (template, value))
+    return value
+
+
+def _system_as_text(processor) -> bool:
+    """Whether the chat template prints a system turn's content as it is, a string expected (Gemma 4's
+    trims ``messages[0]['content']``): rows hold content as blocks, whose list would be printed as its
+    Python repr."""
+
+    def probe() -> bool:
+        messages = [{"role": "system", "content": [{"type": "text", "text": _PROBE}]}, _USER]
+        try:
+            return f"'text': '{_PROBE}'" in processor.apply_chat_template(messages, tokenize=False)
+        except Exception:  # a template without system turns: rows with one fail where they are rendered
+            return False
+
+    return _cached(processor, "_lightning_vlm_system_as_text", probe)
+
+
+def _text_content(message: dict) -> dict:
+    """A message whose content blocks are all text, with its content as one string."""
+    content = message["content"]
+    if isinstance(content, str) or any(block.get("type") != "text" for block in content):
+        return message
+    return {**message, "content": "".join(block.get("text") or "" for block in content)}
+
+
+def generation_prompt(processor) -> str:
+    """What the chat template appends to open the assistant's turn for generation: the role header, and
+    for thinking models (Qwen3-VL-Thinking) a prefilled ``<think>``, which completions then lack."""
+    bare, opened = render(processor, [_USER]), render(processor, [_USER], add_generation_prompt=True)
+    return opened[len(bare) :] if opened.startswith(bare) else ""
+
+
+def answer_header(processor) -> tuple[str, str]:
+    """``(header, prefill)``: the generation prompt split into what a finished assistant turn opens with
+    and what generation alone adds after it; ``prefill`` is "" for most templates.
+
+    Gemma 4's 12B/26B/31B templates (thinking off) prefill an empty thought channel
+    (``<|turn>model\\n`` + ``<|channel>thought\\n<channel|>``) and render a finished turn without it. A model
+    generates its answer after the prefill, so training puts the prefill before each trained answer, as
+    prompt, and the answer tokens are those generation produces (TRL's ``apply_chat_template`` refuses them).
+    """
+
+    def probe() -> tuple[str, str]:
+        opened = generation_prompt(processor)
+        answer = {"role": "assistant", "content": [{"type": "text", "text": _ANSWER_PROBE}]}
+        try:
+            bare, finished = render(processor, [_USER]), render(processor, [_USER, answer])
+        except Exception:  # a template that cannot render an answer: rows with one fail where rendered
+            return opened, ""
+        at = finished.find(_ANSWER_PROBE)
+        header = finished[len(bare) : at] if finished.startswith(bare) and at >= 0 else opened
+        if header and opened.startswith(header) and len(opened) > len(header):
+            return header, opened[len(header) :]
+        return opened, ""
+
+    return _cached(processor, "_lightning_vlm_answer_header", probe)
