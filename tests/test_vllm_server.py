@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,8 +18,9 @@ import sys
 import pytest
 import requests
 import torch
+from _chat_templates import SYSTEM_AS_IS
 from _server_probes import MAX_REQUEST_MB, CrashEngineAndRestart, Served
-from _vllm_scenarios import _compare, _sampled, _train_step
+from _vllm_scenarios import _compare, _greedy, _rows, _sampled, _train_step
 
 from lightning_vlm.generation.vllm_server import VLLMServerGenerator
 from lightning_vlm.generation.vllm_server_client import VLLMServerClient, VLLMServerError
@@ -33,8 +35,18 @@ GRPO = [
 
 
 @pytest.fixture(scope="module")
-def served(tiny_path, tmp_path_factory):
-    server = Served(tiny_path("qwen2_5_vl"), tmp_path_factory.mktemp("server") / "server.log")
+def model_dir(tiny_path, tmp_path_factory) -> str:
+    """The tiny Qwen2.5-VL whose chat template prints a system turn's content as it is, as Gemma 4's
+    does (other turns render as the tiny Qwen's): the server must get system content as text too."""
+    folder = tmp_path_factory.mktemp("system_as_is") / "model"
+    shutil.copytree(tiny_path("qwen2_5_vl"), folder)
+    (folder / "chat_template.jinja").write_text(SYSTEM_AS_IS)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def served(model_dir, tmp_path_factory):
+    server = Served(model_dir, tmp_path_factory.mktemp("server") / "server.log")
     server.start()
     server.wait()
     yield server
@@ -42,10 +54,15 @@ def served(tiny_path, tmp_path_factory):
 
 
 @pytest.fixture()
-def vlm(tiny_path):
+def vlm(model_dir):
     from lightning_vlm.models.vlm import VLM
 
-    return VLM(tiny_path("qwen2_5_vl"))
+    return VLM(model_dir)
+
+
+def _with_system(rows: list[dict]) -> list[dict]:
+    system = {"role": "system", "content": [{"type": "text", "text": "Answer with one word."}]}
+    return [{**row, "prompt": [system, *row["prompt"]]} for row in rows]
 
 
 def test_the_client_tells_unreachable_from_timed_out_and_logs_its_retries(caplog):
@@ -103,6 +120,10 @@ def test_generation_and_both_weight_transfers_match_hf(served, vlm):
         after = _compare(vlm, generator)
         assert after["vllm"] == after["hf"] and after["logprob_max_diff"] < 1e-3, transfer
         assert generator.client.weight_version() == f"test-{transfer}"
+    # A system prompt reaches the server's template as text, as the policy renders it (our launcher).
+    rows = _with_system(_rows())
+    after = _compare(vlm, generator, rows)
+    assert after["vllm"] == after["hf"] and after["logprob_max_diff"] < 1e-3
     hot = _sampled(vlm, generator)  # sampled: grouping, end-of-turn, vLLM's log-probs vs the trainer's
     assert hot["hot"]["num_generations"] == 4 and len(hot["hot"]["ids"]) == 4 * 3
     assert hot["sampled_logprob_max_diff"] < 1e-3
@@ -237,14 +258,15 @@ def test_grpo_on_its_own_server_keeps_hf_parity_through_a_crash_and_restart(tmp_
     assert type(module.generator).__name__ == "HFGenerator"  # restored at teardown
 
 
-def test_vllms_own_entry_point_in_dev_mode_serves_and_takes_weights(vlm, tiny_path, tmp_path):
-    """A plain vLLM server (no plugin): weights go through vLLM's dev ``/collective_rpc``."""
+def test_vllms_own_entry_point_in_dev_mode_serves_and_takes_weights(vlm, model_dir, tmp_path):
+    """A plain vLLM server (no plugin): weights go through vLLM's dev ``/collective_rpc``; a prompt it
+    would render unlike the policy (a system turn, printed by this template as a list) is refused."""
     import os
 
     port = free_port()
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
            "HF_HUB_OFFLINE": "1", "VLLM_PLUGINS": ""}  # fmt: skip
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_path("qwen2_5_vl"),
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
            "--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "1024",
            "--limit-mm-per-prompt", '{"image": 1, "video": 0}', "--logprobs-mode", "processed_logprobs"]  # fmt: skip
@@ -264,6 +286,8 @@ def test_vllms_own_entry_point_in_dev_mode_serves_and_takes_weights(vlm, tiny_pa
         after = _compare(vlm, generator)
         assert after["vllm"] == after["hf"] and after["logprob_max_diff"] < 1e-3
         assert client.weight_version() == "dev-1"
+        with pytest.raises(VLLMServerError, match="renders a prompt with a system turn unlike the policy"):
+            generator.generate(_with_system(_rows(1)), 1, _greedy())
         with pytest.raises(VLLMServerError, match="weight_transfer=body needs lightning_vlm's plugin"):
             VLLMServerGenerator(vlm, client, transfer="body")
         generator.close()

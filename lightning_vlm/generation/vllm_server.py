@@ -29,6 +29,7 @@ from lightning_vlm.generation.weight_sync import (
     weights_to_bytes,
     write_weights,
 )
+from lightning_vlm.models.chat_render import render
 
 log = logging.getLogger(__name__)
 TRANSFERS = ("folder", "body")
@@ -55,6 +56,10 @@ def openai_messages(messages: list[dict], images: list[Any]) -> list[dict]:
             ]
         out.append({**message, "content": content})
     return out
+
+
+def _has_system(messages: list[dict]) -> bool:
+    return any(m["role"] == "system" for m in messages)
 
 
 def chat_body(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -111,6 +116,32 @@ class VLLMServerGenerator:
         self._folders: list[Path] = []  # this generator's pushes (only these are ever deleted)
         self._sharded = False
         self.resyncs = 0
+        self._rendering_checked: set[bool] = set()  # prompt shapes (with a system turn or not) checked
+
+    def _check_rendering(self, system: bool) -> None:
+        """Refuse a server whose chat template renders a prompt unlike the policy's: its completions would
+        answer another prompt than the one trained on. One probe per shape (a system turn or not), text
+        only; the server returns the token ids it rendered (``return_token_ids``)."""
+        messages = [{"role": "user", "content": [{"type": "text", "text": "What colour is the shape?"}]}]
+        if system:
+            messages.insert(
+                0, {"role": "system", "content": [{"type": "text", "text": "Answer in one word."}]}
+            )
+        ours = self.vlm.tokenizer(
+            render(self.vlm.processor, messages, add_generation_prompt=True), add_special_tokens=False
+        )["input_ids"]
+        answer = self.client.chat({"messages": messages, "max_tokens": 1, "return_token_ids": True})
+        theirs = answer.get("prompt_token_ids")
+        if theirs is not None and list(theirs) != list(ours):
+            shape = "with a system turn" if system else "without a system turn"
+            raise VLLMServerError(
+                f"vLLM server at {self.client.url} renders a prompt {shape} unlike the policy: it gives "
+                f"{self.vlm.tokenizer.decode(theirs)!r}, the policy {self.vlm.tokenizer.decode(ours)!r}. Serve "
+                "the policy's model folder with `python -m lightning_vlm.serve` (it passes system content "
+                "as text to templates that print it as it is, Gemma 4's), or give the server the policy's "
+                "chat template (--chat-template)"
+            )
+        self._rendering_checked.add(system)
 
     def set_seed(self, seed: int | None) -> None:
         """Seed the following generations (one vLLM seed per prompt, ``request_seeds``); None: unseeded."""
@@ -122,6 +153,8 @@ class VLLMServerGenerator:
         params = chat_body(
             sampling_kwargs(sampling, num_generations, vlm.end_of_turn_id, vlm.suppressed_token_ids)
         )
+        for system in sorted({_has_system(r["prompt"]) for r in rows} - self._rendering_checked):
+            self._check_rendering(system)
         seeds = request_seeds(self.seed, len(rows), num_generations)
         bodies = [
             {**params, "messages": openai_messages(r["prompt"], r.get("images", [])),

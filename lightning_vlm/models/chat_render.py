@@ -89,3 +89,27 @@ def answer_header(processor) -> tuple[str, str]:
         return opened, ""
 
     return _cached(processor, "_lightning_vlm_answer_header", probe)
+
+
+# Passes a system turn's text-only content as one string, as ``render`` does, to a template that prints it
+# as it is: vLLM's server hands templates that loop over content blocks (most VLMs') every message's
+# content as blocks, a system turn's too, and Gemma 4's would print their Python repr.
+_SYSTEM_AS_TEXT_PRELUDE = (
+    "{%- set _lightning_vlm = namespace(messages=[]) -%}"
+    "{%- for _message in messages -%}"
+    "{%- if _message['role'] == 'system' and _message['content'] is not string"
+    " and (_message['content'] | rejectattr('type', 'equalto', 'text') | list | length) == 0 -%}"
+    "{%- set _lightning_vlm.messages = _lightning_vlm.messages + [{'role': 'system',"
+    " 'content': _message['content'] | map(attribute='text') | join('')}] -%}"
+    "{%- else -%}{%- set _lightning_vlm.messages = _lightning_vlm.messages + [_message] -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- set messages = _lightning_vlm.messages -%}"
+)
+
+
+def server_chat_template(processor) -> str | None:
+    """The chat template a vLLM server needs to render prompts as ``render`` does, where it differs from
+    the processor's (a template printing system content as it is, Gemma 4's); None where it does not."""
+    if not _system_as_text(processor):
+        return None
+    return _SYSTEM_AS_TEXT_PRELUDE + processor.chat_template
