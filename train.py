@@ -10,7 +10,7 @@ from lightning_vlm.training import metric_value, train
 def main(cfg: DictConfig) -> float | None:
     """Hydra entry point; returns the optimised metric so sweepers can use it."""
     metrics, _ = train(cfg)
-    return metric_value(metrics, cfg.get("optimized_metric"))
+    return metric_value(metrics, cfg.get("optimized_metric"), warn=False)  # train() warned already
 
 
 if __name__ == "__main__":

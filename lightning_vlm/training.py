@@ -194,6 +194,7 @@ def _fit(
     log.info("Final metrics: %s", metrics)
     for export in exports:
         export.publish(trainer, module)  # the card holds the final metrics, those of any validation above
+    metric_value(metrics, wanted)  # a warning when it was never logged, before the run's last lines
     finish_reports(trainer)  # curves and paths: the run's last lines, after any final validation
     return metrics, initial
 
@@ -221,15 +222,14 @@ def check_launch(trainer: L.Trainer) -> None:
         )
 
 
-def metric_value(metrics: dict[str, float], name: str | None) -> float | None:
-    """The value a sweeper optimises; ``None`` with a warning naming what was logged when it never was
-    (no validation data, or ``trainer.limit_val_batches=0``)."""
+def metric_value(metrics: dict[str, float], name: str | None, warn: bool = True) -> float | None:
+    """The value a sweeper optimises; ``None`` when it was never logged (no validation data, or
+    ``trainer.limit_val_batches=0``), with a warning naming what was logged unless ``warn`` is False."""
     if not name:
         return None
-    if name not in metrics:
+    if name not in metrics and warn:
         log.warning(
             "optimized_metric=%r was not logged (no validation ran); returning None. Logged metrics: %s",
             name, sorted(metrics),
         )  # fmt: skip
-        return None
-    return metrics[name]
+    return metrics.get(name)

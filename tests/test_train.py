@@ -120,6 +120,8 @@ def test_train_py_on_a_data_file_without_validation_and_without_a_progress_bar_e
     assert proc.returncode == 0, proc.stderr[-4000:]
     output = proc.stdout + proc.stderr  # Hydra's console log handler writes to stdout
     assert "was not logged (no validation ran)" in output
+    # Said before the run's last lines (the report), not after them.
+    assert proc.stdout.index("was not logged (no validation ran)") < proc.stdout.index("Run folder:")
     assert "Epoch 0:" not in output  # no progress bar
     assert next((tmp_path / "logs" / "sft" / "runs").iterdir()).joinpath("checkpoints", "last.ckpt").is_file()
     assert not (tmp_path / "logs" / "sft" / "multiruns").exists()  # a single run is no sweep: no summary
