@@ -11,3 +11,12 @@ SYSTEM_AS_IS = (
     "{% if b.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ b.text }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+# Shaped like llava-hf/llava-1.5's: "USER: <image>\n... ASSISTANT: answer " with images first, and an answer
+# closed by a space, no end-of-turn token.
+LLAVA_1_5 = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}"
+    "{% endif %}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + ' ' }}{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from _chat_templates import SYSTEM_AS_IS
+from _chat_templates import LLAVA_1_5, SYSTEM_AS_IS
 from PIL import Image
 
 from lightning_vlm.data.rows import normalize_row
@@ -156,3 +156,26 @@ def test_a_generation_prompt_prefill_is_prompt_in_sft_and_preference_rows(vlms):
         assert labelled(vlm, conversation) == ["Hi!<turn|>", "red<turn|>", "yes<turn|>"]
         text = vlm.tokenizer.decode(vlm.encode_sft([conversation])["input_ids"][0])
         assert text.count(f"<|turn>model\n{prefill}") == 3
+
+
+def test_a_template_that_closes_no_answer_gets_the_end_of_turn_after_each_trained_answer(vlms, caplog):
+    # LLaVA-1.5's template ends an answer with a space: SFT never taught the model to stop, and preference
+    # answers lacked the token generation ends with.
+    from lightning_vlm.methods.preference_batch import answer_ids
+    from lightning_vlm.models.encoding import render
+
+    vlm, image = vlms("llava"), Image.new("RGB", (56, 56), (200, 30, 30))
+    eot = vlm.end_of_turn
+    with chat_template(vlm, LLAVA_1_5):
+        prompt = [_user("Colour?", image=True)]
+        row = normalize_row({"messages": [*prompt, _assistant("red")], "images": [image]}, "sft")
+        assert eot not in render(vlm.processor, row["messages"])
+        assert [run.strip() for run in labelled(vlm, row)] == [f"red {eot}"]
+        ids = vlm.encode_sft([row])["input_ids"][0].tolist()
+        head = vlm.encode_prompts([prompt], [[image]])["input_ids"][0].tolist()
+        answer = answer_ids(vlm, prompt, row["messages"][1:], "test")  # rows hold blocks
+        assert ids == head + answer and vlm.tokenizer.decode(answer).strip() == f"red {eot}"
+        messages = [_user("Colour?"), _assistant("red"), _user("Sure?"), _assistant("yes")]
+        runs = labelled(vlm, normalize_row({"messages": messages}, "sft"))
+        assert [run.strip() for run in runs] == [f"red {eot}", f"yes {eot}"]
+    assert sum("closes an assistant answer with no" in r.message for r in caplog.records) == 1  # said once

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_vlm.models.chat_render import answer_header, render
+from lightning_vlm.models.chat_render import answer_header, render, warn_unclosed
 from lightning_vlm.models.encoding import row_summary
 from lightning_vlm.models.image_tokens import repeat_samples
 from lightning_vlm.models.vision_cache import repeated_groups, with_image_groups
@@ -42,9 +42,14 @@ def answer_ids(vlm, prompt: list[dict], answer: list[dict], where: str) -> list[
             "so the answer tokens cannot be separated"
         )
     tail = full[start:]
-    # Keep everything up to the last end-of-turn (what generation stops at); drop template trailers.
+    # Keep everything up to the last end-of-turn (what generation stops at); drop template trailers. A
+    # template that closes no answer (LLaVA-1.5's) gets it appended, as SFT does: generation ends with it.
     end = tail.rfind(vlm.end_of_turn)
-    tail = tail[: end + len(vlm.end_of_turn)] if end >= 0 else tail
+    if end >= 0:
+        tail = tail[: end + len(vlm.end_of_turn)]
+    else:
+        warn_unclosed(vlm.processor, vlm.end_of_turn)
+        tail += vlm.end_of_turn
     return vlm.tokenizer(tail, add_special_tokens=False)["input_ids"]
 
 

@@ -8,8 +8,11 @@ found once per processor and chat template by rendering a probe, and cached on t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 _PROBE = "system-probe-7f3a"
 _ANSWER_PROBE = "answer-probe-7f3a"
@@ -113,3 +116,16 @@ def server_chat_template(processor) -> str | None:
     if not _system_as_text(processor):
         return None
     return _SYSTEM_AS_TEXT_PRELUDE + processor.chat_template
+
+
+def warn_unclosed(processor, end_of_turn: str) -> None:
+    """Say once per processor that its template closes answers with no ``end_of_turn``, which encoding
+    then puts after each trained answer (LLaVA-1.5's template ends an answer with a space)."""
+    said = processor.__dict__.setdefault("_lightning_vlm_said", set())
+    if end_of_turn not in said:
+        said.add(end_of_turn)
+        log.warning(
+            "the chat template closes an assistant answer with no %r (LLaVA-1.5's ends it with a space): it is "
+            "put after each trained answer, as generation stops at it; a template that closes answers "
+            "silences this", end_of_turn,
+        )  # fmt: skip

@@ -21,7 +21,7 @@ from PIL import Image
 
 from lightning_vlm.data.rows import COMPLETION_MESSAGES
 
-from .chat_render import answer_header, generation_prompt, render  # noqa: F401 (generation_prompt: re-exported)
+from .chat_render import answer_header, generation_prompt, render, warn_unclosed  # noqa: F401 (generation_prompt: re-exported)
 from .family_rules import image_token_id
 from .image_tokens import NUM_IMAGES_KEY
 from .token_boundaries import TYPE_ID_KEYS, is_token_key, placeholder_shift, split_straddling
@@ -37,6 +37,8 @@ def assistant_char_spans(
 
     Where the generation prompt prefills what a finished turn lacks (``answer_header``), the prefill is
     put before each trained turn, as prompt: the answer is trained after what generation conditions on.
+    Where the template closes an answer with no end-of-turn (LLaVA-1.5's ends it with a space), it is
+    put after each trained answer, as LLaVA was trained: else the model never learns to stop.
     """
     text = render(processor, messages)
     header, prefill = answer_header(processor)
@@ -66,21 +68,27 @@ def assistant_char_spans(
                 "processor a chat template that renders earlier turns unchanged"
             )
         eot = upto.find(end_of_turn, len(prefix))
-        end = eot + len(end_of_turn) if eot >= 0 else len(upto)
-        spans.append((len(prefix), end))
-    return _with_prefill(text, spans, prefill)
+        if eot >= 0:
+            spans.append((len(prefix), eot + len(end_of_turn), ""))
+        else:
+            spans.append((len(prefix), len(upto), end_of_turn))
+            warn_unclosed(processor, end_of_turn)
+    return _with_insertions(text, spans, prefill)
 
 
-def _with_prefill(text: str, spans: list[tuple[int, int]], prefill: str) -> tuple[str, list[tuple[int, int]]]:
-    """``text`` with ``prefill`` inserted where each span starts, and the spans moved past it."""
-    if not prefill:
-        return text, spans
-    pieces, moved, last = [], [], 0
-    for k, (lo, hi) in enumerate(spans):
-        pieces += [text[last:lo], prefill]
-        shift = (k + 1) * len(prefill)
-        moved.append((lo + shift, hi + shift))
-        last = lo
+def _with_insertions(
+    text: str, spans: list[tuple[int, int, str]], prefill: str
+) -> tuple[str, list[tuple[int, int]]]:
+    """``text`` with ``prefill`` put where each span ``(start, end, close)`` starts and ``close`` where it
+    ends, and the spans moved to cover their answers with their closes."""
+    pieces, moved, last, shift = [], [], 0, 0
+    for lo, hi, close in spans:
+        pieces += [text[last:lo], prefill, text[lo:hi], close]
+        shift += len(prefill)
+        start = lo + shift
+        shift += len(close)
+        moved.append((start, hi + shift))
+        last = hi
     return "".join(pieces) + text[last:], moved
 
 
