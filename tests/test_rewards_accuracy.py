@@ -77,3 +77,14 @@ def test_numbers_inside_names_are_not_read():
     assert parse_numbers("Qwen2.5 counts 3") == [3.0]  # ".5" of the name was read as 0.5
     assert parse_numbers("v1.2.3") == []
     assert parse_numbers("It is .5, or 1,000.5") == [0.5, 1000.5]
+
+
+def test_integers_are_compared_exactly():
+    # A relative tolerance of 1e-6 made 1000001 equal 1000000: wrong for counts, years and prices.
+    for answer, solution in (("1000001", "1000000"), ("999999", "1000000"), ("12345679", "12345678")):
+        assert not answers_match(answer, solution)
+    assert (
+        answers_match("1e6", "1000000")
+        and answers_match("2.50", "2.5")
+        and answers_match("0.30000000000000004", "0.3")
+    )

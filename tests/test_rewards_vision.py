@@ -327,3 +327,62 @@ def test_ocr_similarity_and_reward():
         assert ocr_reward(["caf\u00e9"], ["cafe\u0301"], normalize=normalize) == [1.0]
     with pytest.raises(ValueError, match="ocr_reward needs a `solution` column"):
         ocr_reward(["x"])
+
+
+# ---------------------------------------------------------------- found by review: thinking, hedges, tolerance
+
+
+def test_an_untagged_answer_is_read_after_the_reasoning():
+    # A Qwen3-VL-style completion: reasoning closed by </think>, then the answer without <answer> tags. The
+    # first box (or count) of the whole text was a draft inside the reasoning.
+    box = (
+        "The red shape could be [0, 0, 28, 28]; no, that one is blue.\n</think>\n\n"
+        '```json\n[{"bbox_2d": [28, 0, 56, 28], "label": "red shape"}]\n```'
+    )
+    assert iou_reward([box], ["[28, 0, 56, 28]"]) == [1.0]
+    assert count_reward(["I see two... no, three.</think>\n3"], [3]) == [1.0]
+    assert numeric_reward(["maybe 20 px</think> 24 px"], [24]) == [1.0]
+    assert parse_choice("A or B? B fits.</think>\nB") == "B"
+    # Tags still win, wherever they are.
+    assert count_reward(["<answer>3</answer> then 2</think> 2"], [3]) == [1.0]
+
+
+def test_a_negative_count_is_no_count():
+    assert count_reward(["-3", "\u22123", "3-4", "3"], [3, 3, 3, 3]) == [0.0, 0.0, 0.0, 1.0]
+
+
+def test_numeric_tolerance_is_relative_to_the_solution():
+    # ChartQA's relaxed accuracy: |answer - solution| <= rel_tol * |solution|. math.isclose measured against
+    # the larger value, so overestimates got more room, and rel_tol >= 1 accepted any positive number.
+    assert numeric_reward(["104.9", "95.1", "105.2", "94.8"], [100] * 4, rel_tol=0.05) == [1.0, 1.0, 0.0, 0.0]
+    assert numeric_reward(["1000000", "200"], [1, 100], rel_tol=0.5) == [0.0, 0.0]
+    assert numeric_reward(["1.4"], [1], rel_tol=0.5) == [1.0]
+
+
+def test_a_power_is_read_by_value():
+    assert parse_number("10^3") == 1000.0 and parse_number("2^10") == 1024.0
+    assert parse_number("10^{-2}") == pytest.approx(0.01)
+    assert numeric_reward(["10^3", "10^3"], [1000, 10]) == [1.0, 0.0]
+    assert parse_number("area 12 cm^2") == 12.0  # a unit's exponent is still no number
+
+
+def test_a_solution_listing_numbers_accepts_any_of_them():
+    assert count_reward(["4", "5"], [[3, 4], (3, 4)]) == [1.0, 0.0]
+    assert numeric_reward(["25"], [(24, 25)]) == [1.0]
+
+
+def test_hedges_and_echoed_options_name_no_single_choice():
+    listed = "\n".join(
+        f"{letter}. {colour}" for letter, colour in zip("ABCD", ["red", "green", "blue", "pink"], strict=True)
+    )
+    for hedge in (listed, "A or B", "A and C", "A) red or B) blue", "A. red, B. blue", "B. blue; C. pink"):
+        assert parse_choice(hedge) is None, hedge
+    assert multiple_choice_reward([listed, "A or B"], ["A", "B"]) == [0.0, 0.0]
+    # An option's own text keeps its capitals: one letter named.
+    for answer, letter in (
+        ("B. Vitamin C", "B"),
+        ("B. It is C.", "B"),
+        ("A) red", "A"),
+        ("A cat or a dog: B", "B"),
+    ):
+        assert parse_choice(answer) == letter, answer

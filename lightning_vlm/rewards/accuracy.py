@@ -25,6 +25,7 @@ NUMBER = re.compile(
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # LaTeX forms of a number (R1-style math answers): \frac{1}{2} (\dfrac, \tfrac) and 1.5 \times 10^{3}.
 _FRAC = re.compile(r"\\[dt]?frac\s*\{\s*([^{}]*?)\s*\}\s*\{\s*([^{}]*?)\s*\}")
+_POWER = re.compile(r"(?<![A-Za-z0-9^_.])(\d+(?:\.\d+)?)\s*\^\s*\{?\s*([-+\u2212]?\d+)\s*\}?")
 _TIMES_TEN = re.compile(r"(\d)\s*(?:\\times|\\cdot|\u00d7|x|\*)\s*10\s*\^\s*\{?\s*([-+\u2212]?\d+)\s*\}?")
 
 
@@ -42,19 +43,29 @@ def _last_boxed(text: str) -> str | None:
 
 
 def extract_answer(text: str) -> str:
-    """The final answer of a completion: the last <answer>...</answer> if present, else the text; within
-    it, the last ``\\boxed{...}`` if there is one (the math convention, R1 and Qwen-Math style)."""
+    """The final answer of a completion: the last <answer>...</answer> if present, else what follows the
+    last ``</think>`` (a thinking model's reasoning holds drafts), else the text; within it, the last
+    ``\\boxed{...}`` if there is one (the math convention, R1 and Qwen-Math style)."""
     tagged = _ANSWER_TAG.findall(text)
-    answer = tagged[-1] if tagged else text
+    answer = tagged[-1] if tagged else text.rpartition("</think>")[2]
     boxed = _last_boxed(answer)
     return answer if boxed is None else boxed
 
 
 def latex_numbers(text: str) -> str:
     """``text`` with LaTeX numbers written plainly: "\\frac{1}{2}" as "1/2", "1.5 \\times 10^{3}" (or
-    "1.5 x 10^3") as "1.5e3", so that :data:`NUMBER` reads them by value."""
+    "1.5 x 10^3") as "1.5e3", a power of a number ("10^3", "2^{10}") as its value, so that :data:`NUMBER`
+    reads them by value. A unit's exponent ("cm^2") is no power: its base is a letter."""
     text = _FRAC.sub(r"\1/\2", text)
-    return _TIMES_TEN.sub(lambda m: f"{m.group(1)}e{m.group(2).replace(chr(0x2212), '-')}", text)
+    text = _TIMES_TEN.sub(lambda m: f"{m.group(1)}e{m.group(2).replace(chr(0x2212), '-')}", text)
+    return _POWER.sub(_power_value, text)
+
+
+def _power_value(match: re.Match) -> str:
+    try:
+        return f"{float(match.group(1)) ** int(match.group(2).replace(chr(0x2212), '-')):.15g}"
+    except (OverflowError, ZeroDivisionError):  # 10^400, 0^-1: no number
+        return match.group(0)
 
 
 def number_value(match: re.Match) -> float | None:
@@ -120,7 +131,9 @@ def answers_match(completion: str, solution: Any) -> bool:
         return False
     a_num, s_num = _as_number(answer), _as_number(solution)
     if a_num is not None and s_num is not None:
-        return abs(a_num - s_num) <= 1e-6 * max(1.0, abs(s_num))
+        if a_num.is_integer() and s_num.is_integer():  # counts, years, prices: 1000001 is not 1000000
+            return a_num == s_num
+        return abs(a_num - s_num) <= 1e-6 * max(1.0, abs(s_num))  # decimals: float rounding only
     a_choice, s_choice = _CHOICE.match(answer), _CHOICE.match(solution)
     if a_choice and s_choice:
         return a_choice.group(1).upper() == s_choice.group(1).upper()

@@ -9,7 +9,6 @@ cannot be read raises ``ValueError`` naming its row; a completion that cannot be
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -39,8 +38,11 @@ NUMBER_WORDS: dict[str, int] = {
 # often a reply ("No, there are three") as a count.
 COUNT_WORDS: dict[str, int] = {**NUMBER_WORDS, "none": 0}
 # A hyphen on either side means a compound ("twenty-one"), outside the words counted.
+# A sign is read with its digits: "-3" is a count of -3, no count of 3, and "3-4" names 3 and -4 (a hedge).
 _COUNT = re.compile(
-    rf"(?<![\w.])((?:{THOUSANDS}|\d+)(?:\.\d+)?)(?!\w)|(?<![\w-])(" + "|".join(COUNT_WORDS) + r")(?![\w-])",
+    rf"(?<![\w.])([-\u2212]?(?:{THOUSANDS}|\d+)(?:\.\d+)?)(?!\w)|(?<![\w-])("
+    + "|".join(COUNT_WORDS)
+    + r")(?![\w-])",
     re.I,
 )
 
@@ -56,8 +58,8 @@ def score_with_reference(
 ) -> list[float | None]:
     """The loop every reference-based reward shares: checks the column, skips missing cells, reads each solution.
 
-    A solution that is a list of strings is a list of accepted answers, as in ``answers_match``: the
-    reward is the best score over them (blank ones skipped; all blank is a missing cell). ``lists=False``
+    A solution that is a list of strings or numbers is a list of accepted answers, as in ``answers_match``:
+    the reward is the best score over them (blank ones skipped; all blank is a missing cell). ``lists=False``
     for a reward whose one reference may be a list (a box as four numbers).
 
     ``read_reference`` raises ``ValueError`` for a solution it cannot read; the error is re-raised
@@ -76,7 +78,9 @@ def score_with_reference(
     rewards: list[float | None] = []
     for row, (completion, reference) in enumerate(zip(completions, solution, strict=True)):
         accepted = (
-            [r for r in reference if not _missing(r)] if lists and is_answer_list(reference) else [reference]
+            [r for r in reference if not _missing(r)]
+            if lists and (is_answer_list(reference) or _is_number_list(reference))
+            else [reference]
         )
         if not accepted or _missing(accepted[0]):
             rewards.append(None)
@@ -90,10 +94,19 @@ def score_with_reference(
     return rewards
 
 
+def _is_number_list(reference: Any) -> bool:
+    """A list of numbers (``[3, 4]``): accepted answers of a count or number, as a list of strings is."""
+    return isinstance(reference, list | tuple) and all(
+        isinstance(r, int | float) and not isinstance(r, bool) for r in reference
+    )
+
+
 def parse_counts(text: str) -> list[float]:
     """Every count the answer names, in order: digits ("3", "3.0"), number words zero..twenty, or "none" (0)."""
     return [
-        float(digits.replace(",", "")) if digits is not None else float(COUNT_WORDS[word.lower()])
+        float(digits.replace(",", "").replace("\u2212", "-"))
+        if digits is not None
+        else float(COUNT_WORDS[word.lower()])
         for digits, word in (m.groups() for m in _COUNT.finditer(extract_answer(text)))
     ]
 
@@ -168,11 +181,13 @@ def numeric_reward(
     abs_tol: float = 0.0,
     **kwargs: Any,
 ) -> list[float | None]:
-    """1.0 when the answer names a number (``parse_numbers``) and every number it names is
-    ``math.isclose`` to the solution, else 0.0.
+    """1.0 when the answer names a number (``parse_numbers``) and every number it names is within
+    ``max(rel_tol * |solution|, abs_tol)`` of the solution, else 0.0.
 
-    With both tolerances at 0 (the default) the values must be equal; ``abs_tol`` matters for
-    solutions near zero, where a relative tolerance accepts almost nothing. "48 or 60" scores 0.0
+    The relative tolerance is of the solution, as ChartQA's relaxed accuracy (``math.isclose`` measures
+    it against the larger value, which gives overestimates more room). With both tolerances at 0 (the
+    default) the values must be equal; ``abs_tol`` matters for solutions near zero, where a relative
+    tolerance accepts almost nothing. "48 or 60" scores 0.0
     unless both are within the tolerance: hedging is not rewarded (see ``count_reward``; measured, a
     tiny model's GRPO on the first number alone drifted into lists of numbers). Keep reasoning that
     mentions other numbers outside the ``<answer>`` tags, which are read when present.
@@ -183,7 +198,7 @@ def numeric_reward(
     def score(text: str, ref: float) -> float:
         values = parse_numbers(text)
         ok = bool(values) and all(
-            v is not None and math.isclose(v, ref, rel_tol=rel_tol, abs_tol=abs_tol) for v in values
+            v is not None and abs(v - ref) <= max(rel_tol * abs(ref), abs_tol) for v in values
         )
         return 1.0 if ok else 0.0
 

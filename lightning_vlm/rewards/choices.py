@@ -21,12 +21,17 @@ _CUE_CHOICE = re.compile(r"\b(?:answer|option|choice)(?:\s+is)?\s*[:=]?\s*[(\[]?
 # An answer opening with an option's marker, then its text: "B. Vitamin C", "(b) red", "c) yellow".
 _LEADING_CHOICE = re.compile(r"\s*(?:[(\[]\s*([A-Za-z])\s*[)\]]|([A-Za-z])\s*[).:])\s+")
 _UPPER_CHOICE = re.compile(r"(?<![\w'])([A-Z])(?![\w'])")
+# Another option's marker after the first option's text: at a line start ("B. green" of an echoed list), or
+# after a comma, semicolon, "or" or "and" ("A) red or B) blue", "A. red, B. blue").
+_LISTED_CHOICE = re.compile(r"(?:^|[,;]|\bor\b|\band\b)\s*[(\[]?([A-Z])[).:](?=\s|$)", re.M)
 # The word after a letter: lower case, or Title Case of two letters or more ("A Red Circle": an option's
 # text written in title case still reads "A" as the article).
 _ARTICLE_NEXT = re.compile(r"\s+([a-z]+|[A-Z][a-z]+)")
 # Words after a letter that make it an option, not the article: "A is correct", "I think A fits".
+# Conjunctions too: "A or B", "A and C" name two options (a hedge), not the article.
 _OPTION_VERBS = frozenset(
     {"is", "was", "seems", "looks", "fits", "matches", "would", "should", "must", "can"}
+    | {"or", "and", "nor", "not", "but", "vs", "versus"}
 )
 
 
@@ -65,8 +70,11 @@ def parse_choice(text: str, choices: str = "ABCDEFGH") -> str | None:
     counts when it is parenthesised ("(b)"), follows "answer", "option" or "choice" ("Answer: B",
     "the answer is b"), or stands alone as a capital ("I pick C"). An answer that opens with an option's
     marker and its text ("B. Vitamin C", "c) yellow") names that letter, and capitals in the text are
-    the text's; a marked letter after it ("B. blue, or (C)") still counts as another; "A"/"a" or "I" followed
-    by a lower-case word other than a verb such as "is" reads as the article or the pronoun ("I pick C"
+    the text's; a marked letter after it ("B. blue, or (C)"), or another option's marker after a line
+    start, a comma, "or" or "and" ("A. red, B. blue", an echoed list of options), still counts as
+    another; "A"/"a" or "I" followed
+    by a lower-case word other than a verb such as "is" or a conjunction ("A or B") reads as the
+    article or the pronoun ("I pick C"
     names C also among ten options A-J). Letters outside ``choices`` are ignored.
     """
     answer = extract_answer(text)
@@ -77,7 +85,8 @@ def parse_choice(text: str, choices: str = "ABCDEFGH") -> str | None:
         mentions = {whole.group(1).upper()}
     elif letter and letter in choices.upper():
         # "B. Vitamin C": the option's text follows its letter, and its capitals are the text's.
-        mentions = {letter} | _marked_mentions(answer[leading.end() :])
+        rest = answer[leading.end() :]
+        mentions = {letter} | _marked_mentions(rest) | {m.group(1) for m in _LISTED_CHOICE.finditer(rest)}
     else:
         mentions = _choice_mentions(answer)
     mentions &= set(choices.upper())
