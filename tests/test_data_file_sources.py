@@ -97,3 +97,47 @@ def test_a_parquet_file_with_json_text_columns_loads_and_says_so(tmp_path, caplo
     answers = [dm.train_dataset[i]["messages"][1]["content"] for i in range(2)]
     assert answers == [[{"type": "text", "text": "red"}], [{"type": "text", "text": "blue"}]]
     assert f"{tmp_path / 'mixed.parquet'}: some field changes type" in caplog.text
+
+
+@pytest.mark.parametrize("layout", ["file", "folder"])
+def test_date_like_answers_stay_the_strings_written(tmp_path, layout):
+    # Arrow's JSON reader types a column of ISO dates as timestamps: SFT trained on "2023-01-15 00:00:00",
+    # and a GRPO solution became a datetime no answer matched.
+    rows = [{"prompt": f"When was receipt {i}?", "solution": f"2023-0{i + 1}-15"} for i in range(3)]
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    spec = str(folder / "train.jsonl") if layout == "file" else str(folder)
+    dm = PromptDataModule(train=spec, shuffle=False)
+    dm.setup()
+    assert [dm.train_dataset[i]["solution"] for i in range(3)] == ["2023-01-15", "2023-02-15", "2023-03-15"]
+    sft = SFTDataModule(train=spec, shuffle=False, prompt_template="{prompt}", answer_template="{solution}")
+    sft.setup()
+    assert sft.train_dataset[0]["messages"][1]["content"] == [{"type": "text", "text": "2023-01-15"}]
+
+
+@pytest.mark.parametrize("split", ["validation[:3]", "test[:50%]", "train[:2]+validation"])
+def test_a_split_slice_a_single_file_cannot_honour_is_an_error_also_as_the_datamodules_split(tmp_path, split):
+    # Given as data.split / data.val_split (not a dict spec), it read the whole file, saying nothing.
+    path = write(tmp_path, "jsonl")
+    with pytest.raises(SourceError, match=re.escape(f"{path}: split '{split}' cannot be read")):
+        PromptDataModule(train=path, split=split).setup()
+    with pytest.raises(SourceError, match=re.escape(f"{path}: split '{split}' cannot be read")):
+        PromptDataModule(train=path, val=path, val_split=split).setup()
+
+
+def test_image_paths_in_a_column_no_image_setting_reads_are_named(tmp_path, caplog):
+    # Images under "image_path" (not "image"/"images"): every row trained text-only, with no word.
+    from PIL import Image
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    row = {"prompt": "What colour is the car?", "solution": "red", "image_path": "a.png"}
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(row) for _ in range(3)))
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm.data"):
+        PromptDataModule(train=str(tmp_path / "train.jsonl")).setup()
+    assert "no row has an image" in caplog.text and "'image_path'" in caplog.text
+    assert "data.column_map" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm.data"):
+        PromptDataModule(train=str(tmp_path / "train.jsonl"), column_map={"image_path": "image"}).setup()
+    assert "no row has an image" not in caplog.text

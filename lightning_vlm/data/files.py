@@ -213,6 +213,23 @@ def has_json_feature(feature: Any) -> bool:
     return inner is not None and has_json_feature(inner)
 
 
+_TIME_TYPES = ("timestamp", "date", "time", "duration")
+
+
+def has_time_feature(feature: Any) -> bool:
+    """Whether ``datasets`` typed some field of ``feature`` as a date or time: Arrow's JSON reader does
+    so for a column of ISO dates ("2023-01-15"), whose strings then come back as datetimes ("2023-01-15
+    00:00:00" as text). Only a JSON file's reading is a guess; a parquet file's types are its own."""
+    import datasets
+
+    if isinstance(feature, datasets.Value):
+        return feature.dtype.startswith(_TIME_TYPES)
+    if isinstance(feature, dict):
+        return any(has_time_feature(f) for f in feature.values())
+    inner = getattr(feature, "feature", None)
+    return inner is not None and has_time_feature(inner)
+
+
 def read_json_rows(path: Path) -> list[dict]:
     """The rows of a JSON Lines file (or a JSON list of row objects), exactly as Python's json reads them.
 
@@ -243,8 +260,11 @@ def one_split(split: str, explicit: bool) -> str:
 
     ``split`` when it reads ``train`` (``train[:80%]``) or a dict spec gave it (then it must); else
     ``train``, all of it: the DataModule's split names (``validation`` for a val source) are for sources
-    that have splits, and a separate validation file just works."""
-    return split if explicit or split_names(split) == {"train"} else "train"
+    that have splits, and a separate validation file just works. A slice or a union of other splits
+    (``validation[:3]``) was asked for, as a dict spec's split is: kept, so ``pick_rows`` says it cannot."""
+    if explicit or split_names(split) == {"train"} or "[" in split or "+" in split:
+        return split
+    return "train"
 
 
 def pick_rows(split: str, sizes: Mapping[str, int], where: str) -> list[tuple[str, range]]:

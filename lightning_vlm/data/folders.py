@@ -15,6 +15,7 @@ from lightning_vlm.data.files import (
     SourceError,
     data_suffix,
     has_json_feature,
+    has_time_feature,
     json_problem,
     json_rows_readable,
     load_file,
@@ -41,8 +42,10 @@ def from_folder(folder: Path, subset: str | None, split: str) -> Source:
         # changes type, beside a blank line): read those as written.
         return _rows_as_written(folder, named, _spelt(split, named), name, None)
     named = _folder_files(folder, subset, split)
-    if has_json_feature(dataset.features):
-        if named is not None and _json_as_written(named):
+    as_written = named is not None and _json_as_written(named)
+    # JSON text of mixed-type fields, or ISO dates typed as datetimes (files.has_time_feature).
+    if has_json_feature(dataset.features) or (as_written and has_time_feature(dataset.features)):
+        if as_written:
             try:
                 return _rows_as_written(folder, named, _spelt(split, named), name, len(dataset))
             except (ValueError, *ARCHIVE_ERRORS) as e:  # a file datasets read by its content, not its name

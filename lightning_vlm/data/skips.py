@@ -53,11 +53,12 @@ def scan(
     if source.trusted:
         return list(range(total)), Counter()
     good, skipped, first = [], Counter(), {}
+    with_images, first_good = 0, None
     for index, row in enumerate(source.rows):
         if index >= total:
             break
         try:
-            row_format.normalize(row, index, source.name, source.dir_of(index))
+            normalized = row_format.normalize(row, index, source.name, source.dir_of(index))
         except RowError as e:
             if on_bad_row == "error":
                 raise
@@ -65,6 +66,10 @@ def scan(
             first.setdefault(e.reason, str(e))
             continue
         good.append(index)
+        with_images += bool(normalized["images"])
+        first_good = normalized if first_good is None else first_good
+    if first_good is not None and not with_images:
+        _warn_unread_images(first_good, source.name)
     if skipped:
         # One line for the whole source (a million bad rows must not mean a million log lines), with
         # the first row of each reason, so the fix can start there.
@@ -78,6 +83,31 @@ def scan(
             examples,
         )
     return good, skipped
+
+
+_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
+
+
+def _looks_like_image(value: object) -> bool:
+    if isinstance(value, list | tuple):
+        return bool(value) and all(map(_looks_like_image, value))
+    if isinstance(value, dict):
+        return "bytes" in value
+    return (isinstance(value, str) and value.lower().endswith(_IMAGE_SUFFIXES)) or hasattr(value, "getpixel")
+
+
+def _warn_unread_images(row: dict, name: str) -> None:
+    """A source without one image whose rows hold image-like columns the row format does not read
+    ("image_path", "img", "file_name"): the run would train text-only, so say which columns to map."""
+    columns = sorted(
+        column for column, value in row.items() if column != "images" and _looks_like_image(value)
+    )
+    if columns:
+        logger.warning(
+            "%s: no row has an image (the 'image' or 'images' column), but column(s) %s hold images: the "
+            "run trains text-only; map one, e.g. data.column_map={%s: image} ({...: images} for a list)",
+            name, columns, columns[0],
+        )  # fmt: skip
 
 
 def require_rows(good: list[int], skipped: Counter, source: Source, setting: str) -> None:

@@ -20,6 +20,7 @@ from lightning_vlm.data.files import (
     SourceError,
     data_suffix,
     has_json_feature,
+    has_time_feature,
     json_rows_readable,
     load_file,
     one_split,
@@ -122,10 +123,16 @@ def _from_file(path: Path, split: str, explicit: bool) -> Source:
         dataset = None  # rows as written, below
     split = one_split(split, explicit)
     name = str(path) if split == "train" else f"{path} [{split}]"  # row numbers count from the slice
-    if dataset is None or has_json_feature(dataset.features):
-        if json_rows_readable(path):
+    readable = json_rows_readable(path)
+    if (
+        dataset is None
+        or has_json_feature(dataset.features)
+        or (readable and has_time_feature(dataset.features))
+    ):
+        if readable:
             # Mixed-type fields come back from datasets' JSON text with strings such as "4" turned into
-            # numbers (files.read_json_rows): read the rows as written instead (held in memory).
+            # numbers (files.read_json_rows), and ISO dates as datetimes: read the rows as written
+            # instead (held in memory).
             rows = read_json_rows(path)
             picked = [
                 rows[i] for _, indices in pick_rows(split, {"train": len(rows)}, str(path)) for i in indices
