@@ -110,3 +110,21 @@ def test_a_broken_json_line_still_names_its_line_in_a_folder(tmp_path):
         sources.load_source(str(tmp_path / "root"), "prompt")
     with pytest.raises(SourceError, match="line 3, column"):
         sources.load_source(str(tmp_path / "root" / "train.jsonl"), "prompt")
+
+
+def test_a_folder_datasets_reads_as_an_image_folder_names_the_data_files_it_ignored(tmp_path):
+    # COCO/LLaVA's layout: train.jsonl beside images/train2014/*.jpg. datasets takes the jpgs for the
+    # "train" split (an image folder) and ignores the JSONL: rows failed on a missing 'prompt' column.
+    folder = tmp_path / "ds"
+    (folder / "images" / "train2014").mkdir(parents=True)
+    names = [f"images/train2014/{i}.jpg" for i in range(3)]
+    for name in names:
+        Image.new("RGB", (8, 8)).save(folder / name)
+    (folder / "train.jsonl").write_text("\n".join(json.dumps({"prompt": "q", "image": n}) for n in names))
+    with pytest.raises(
+        SourceError, match=r"(?s)reads it as an image folder.*train\.jsonl.*data\.train=.*train\.jsonl"
+    ):
+        PromptDataModule(train=str(folder)).setup()
+    dm = PromptDataModule(train=str(folder / "train.jsonl"))  # the file itself, as the error says
+    dm.setup()
+    assert len(dm.train_dataset) == 3

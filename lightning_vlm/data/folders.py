@@ -42,6 +42,7 @@ def from_folder(folder: Path, subset: str | None, split: str) -> Source:
         # changes type, beside a blank line): read those as written.
         return _rows_as_written(folder, named, _spelt(split, named), name, None)
     named = _folder_files(folder, subset, split)
+    _check_builder(folder, named)
     as_written = named is not None and _json_as_written(named)
     # JSON text of mixed-type fields, or ISO dates typed as datetimes (files.has_time_feature).
     if has_json_feature(dataset.features) or (as_written and has_time_feature(dataset.features)):
@@ -63,6 +64,28 @@ def from_folder(folder: Path, subset: str | None, split: str) -> Source:
     dirs = row_dirs(named, counts, _spelt(split, named), name)
     _check_rows(name, folder, len(dataset), len(dirs))
     return Source(DatasetRows(dataset), name, folder, row_dirs=dirs)
+
+
+_MEDIA = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff", ".wav", ".mp3", ".flac"}
+
+
+def _check_builder(folder: Path, named: Mapping[str, list[Path]] | None) -> None:
+    """Refuse a folder that datasets reads as an image (or audio) folder though it holds data files: it
+    infers one builder per folder, the most common file type, so images under folders named like
+    splits (COCO's ``images/train2014``) take the split and the JSONL beside them is ignored."""
+    if named is None or not all(f.suffix.lower() in _MEDIA for f in _files(named)):
+        return
+    ignored = sorted(
+        p for p in folder.rglob("*")
+        if p.is_file() and data_suffix(p) in FILE_BUILDERS and not p.name.startswith("metadata.")
+    )  # fmt: skip
+    if ignored:
+        shown = ", ".join(str(p.relative_to(folder)) for p in ignored[:3])
+        raise SourceError(
+            f"{folder}: datasets reads it as an image folder (its split's files are {_files(named)[0].suffix} "
+            f"files, e.g. images under a folder named like a split) and ignores its data files ({shown}"
+            f"{', ...' if len(ignored) > 3 else ''}); give the data file itself, e.g. data.train={ignored[0]}"
+        )
 
 
 def _folder_files(folder: Path, subset: str | None, split: str) -> dict[str, list[Path]] | None:
