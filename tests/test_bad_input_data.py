@@ -107,6 +107,8 @@ ERRORS: dict[str, Case] = {  # a table, so kept as laid out
                        (f"{ROW} 'messages'", "missing_column", "(columns: ['images'])")),
     "missing_image_file": (broken(lambda r: r.update(images=["nope.png"])), RowError,
                            (f"{ROW} 'images'", "missing_image", "nope.png")),
+    "image_url": (broken(lambda r: r.update(images=["https://example.com/x.png"])), RowError,
+                  (f"{ROW} 'images'", "wrong_type", "image URLs and data URIs are not read", "example.com")),
     "unreadable_image": (broken(lambda r: r.update(images=["bad.png"])), RowError,
                          (f"{ROW} 'images'", "corrupt_image", "bad.png")),
     "image_count_mismatch": (broken(two_image_blocks), RowError,

@@ -144,6 +144,13 @@ def _image_ref(value: Any, at: _Row, column: str, base_dir: Path | None, check_f
         if value.get("bytes") is not None:
             return value["bytes"]
         value = value.get("path")
+    if isinstance(value, str) and value.lstrip().lower().startswith(("http://", "https://", "data:")):
+        # Read as a relative path, it was "not found" at a mangled path (base/https:/host/x.png).
+        at.fail(
+            column, "wrong_type",
+            f"image URLs and data URIs are not read ({value[:60]!r}): download the images and give their "
+            "paths, or load the dataset with datasets' Image feature",
+        )  # fmt: skip
     if isinstance(value, str | os.PathLike):
         path = _resolve(value, base_dir)
         if check_files and not os.path.isfile(path):
