@@ -168,3 +168,25 @@ def test_ckpt_path_last_is_taken_only_where_a_last_checkpoint_exists(tmp_path, c
     found = str(tmp_path / "last.ckpt")  # the file itself, from which train.py also reads the W&B run id
     assert checkpoint_to_load("last", trainer) == checkpoint_to_load("last", trainer, resuming=True) == found
     assert checkpoint_to_load("hpc", trainer) == "hpc"  # SLURM's, resolved by Lightning in default_root_dir
+
+
+def test_a_requeued_run_with_another_schedule_keeps_writing_last_ckpt(tmp_path):
+    # Lightning keys a ModelCheckpoint's state by its settings: with another every_n_train_steps, the
+    # resumed run wrote last-v1.ckpt, and every later `ckpt_path=last` went back to the old last.ckpt.
+    checkpoints = tmp_path / "checkpoints"
+    for steps, every in ((4, 2), (6, 3), (9, 3)):
+        run = [*CHECKPOINTS_ONLY, "~callbacks.model_checkpoint", "trainer.limit_val_batches=0", "ckpt_path=last",
+               f"trainer.max_steps={steps}", f"callbacks.last_checkpoint.every_n_train_steps={every}"]  # fmt: skip
+        _, out = train(compose_train(run, tmp_path))
+        assert out["trainer"].global_step == steps
+        assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt"]
+        assert saved_step(checkpoints / "last.ckpt") == steps
+    # A run resuming nothing in that folder replaces the earlier last.ckpt: it says so first.
+    fresh = [
+        *CHECKPOINTS_ONLY,
+        "~callbacks.model_checkpoint",
+        "trainer.limit_val_batches=0",
+        "trainer.max_steps=1",
+    ]
+    with pytest.warns(UserWarning, match="holds an earlier run's state, which this run .* replaces"):
+        train(compose_train(fresh, tmp_path))

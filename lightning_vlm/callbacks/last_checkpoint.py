@@ -17,6 +17,7 @@ and the resumed run's first optimizer step then holds only the window's remainin
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -24,6 +25,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 
 def _stopping(trainer: L.Trainer) -> bool:
@@ -51,10 +53,23 @@ class LastCheckpoint(ModelCheckpoint):
             save_last=True,
             every_n_train_steps=every_n_train_steps,
             verbose=verbose,
+            # Always last.ckpt, what `ckpt_path=last` resumes: Lightning keys a ModelCheckpoint's state by
+            # its settings, so a run resumed with another schedule would write last-v1.ckpt beside it.
+            enable_version_counter=False,
         )
         # global_step at the previous batch end: the schedule fires when a multiple of N is crossed.
         self._step_before: int | None = None
         self._stop_held = False  # a stop asked for mid-accumulation, held until its optimizer step
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Also warns when a run that resumes nothing finds an earlier run's ``last.ckpt``: it replaces it."""
+        super().setup(trainer, pl_module, stage)
+        last = Path(self.dirpath or "") / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
+        if stage == "fit" and trainer.ckpt_path is None and self.dirpath and last.is_file():
+            rank_zero_warn(
+                f"{last} holds an earlier run's state, which this run (resuming nothing) replaces at its first "
+                "save: resume it with ckpt_path=last, or give this run another hydra.run.dir"
+            )
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Starts the schedule at the (possibly resumed) global step."""
