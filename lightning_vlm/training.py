@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import hydra
@@ -160,7 +162,7 @@ def _fit(
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     initial: dict[str, float] = {}
     exports = publish_after_fit(trainer)  # their cards wait for the final validation below
-    with restore_errors(ckpt_path, module):
+    with restore_errors(ckpt_path, module), sigterm_exits(trainer):
         if cfg.get("validate_before_fit"):
             # A resumed run starts from the checkpoint's weights, so that is the baseline to score; fit
             # below restores the checkpoint again (weights, optimizer, loops), so the resume is unchanged.
@@ -173,22 +175,18 @@ def _fit(
                 )
             finally:
                 trainer.loggers = loggers
+            _raise_on_sigterm(trainer)
             initial = {k: float(v) for k, v in results[0].items()}
             log.info("Metrics before training (%s): %s", ckpt_path or "initial weights", initial)
-        try:
-            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
-        except SIGTERMException:
-            # Lightning ends fit with a SystemExit without a code: the job would exit 0, as if done, and a
-            # scheduler would not requeue it. last.ckpt holds the stopped state (callbacks.last_checkpoint).
-            log.warning("Stopped by SIGTERM at step %d; resume with ckpt_path=<run>/checkpoints/last.ckpt",
-                        trainer.global_step)  # fmt: skip
-            raise SystemExit(128 + signal.SIGTERM) from None
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     wanted = cfg.get("optimized_metric")
     if wanted and wanted not in trainer.callback_metrics and trainer.limit_val_batches != 0:
         # The run ended before its first validation (e.g. trainer.max_steps below val_check_interval):
         # validate the final weights once, so a short run and a sweep still report their metric.
         log.info("No validation ran during fit: validating the final weights once for %s", wanted)
-        trainer.validate(module, datamodule=datamodule, verbose=False)
+        with sigterm_exits(trainer):
+            trainer.validate(module, datamodule=datamodule, verbose=False)
+            _raise_on_sigterm(trainer)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
     log.info("Final metrics: %s", metrics)
@@ -220,6 +218,29 @@ def check_launch(trainer: L.Trainer) -> None:
             f"`torchrun --nproc_per_node={trainer.num_devices} train.py -m ...`, or run the jobs one by one "
             "without -m."
         )
+
+
+@contextmanager
+def sigterm_exits(trainer: L.Trainer) -> Iterator[None]:
+    """SIGTERM (a preemption, a time limit) during fit or its validations exits 143. Lightning ends with a
+    SystemExit without a code: the job would exit 0, as if done, and a scheduler would not requeue it.
+    A stop inside fit left last.ckpt at the stopped step (callbacks.last_checkpoint)."""
+    try:
+        yield
+    except SIGTERMException:
+        if trainer.global_step:
+            log.warning("Stopped by SIGTERM at step %d; resume with ckpt_path=<run>/checkpoints/last.ckpt",
+                        trainer.global_step)  # fmt: skip
+        else:
+            log.warning("Stopped by SIGTERM before training (step 0): nothing to resume, run it again")
+        raise SystemExit(128 + signal.SIGTERM) from None
+
+
+def _raise_on_sigterm(trainer: L.Trainer) -> None:
+    """A SIGTERM that came during a validation's last batch: Lightning's loop raises only before other
+    batches, and its next fit forgets the signal, so the job would train on until it is killed."""
+    if trainer.received_sigterm:
+        raise SIGTERMException
 
 
 def metric_value(metrics: dict[str, float], name: str | None, warn: bool = True) -> float | None:

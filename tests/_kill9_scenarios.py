@@ -77,6 +77,15 @@ class SigTerm(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class SigTermInValidation(L.Callback):
+    """Sends SIGTERM to its own process at the first validation batch: before fit when
+    ``validate_before_fit=true``."""
+
+    def on_validation_batch_end(self, trainer: L.Trainer, *args) -> None:
+        if not trainer.sanity_checking:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 @dataclass
 class Scenario:
     """A method's tiny run: 2 epochs of 4 batches, ``last.ckpt`` every 2 batches."""

@@ -56,3 +56,11 @@ def test_sigterm_saves_the_step_exits_143_and_resumes_bitwise(tmp_path):
             assert torch.equal(x, y) if torch.is_tensor(x) else x == y, key
     # not vacuous: the weights moved after the stop
     assert any(not torch.equal(v, a["state_dict"][k]) for k, v in saved["state_dict"].items())
+
+
+def test_sigterm_in_the_validation_before_fit_exits_143(tmp_path):
+    # Only fit's SIGTERM was turned into 143: one during validate_before_fit exited 0, as if done.
+    stopped = _run(tmp_path / "stopped", "validate_before_fit=true", "trainer.limit_val_batches=1",
+                   "+callbacks.term._target_=_kill9_scenarios.SigTermInValidation")  # fmt: skip
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    assert "Stopped by SIGTERM before training" in stopped.stdout + stopped.stderr
