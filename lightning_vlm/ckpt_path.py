@@ -98,8 +98,9 @@ def _keyword(keyword: str, trainer: L.Trainer, resuming: bool) -> str | None:
     )
 
 
-# Lightning's functions that read ckpt_path and load its weights into the module.
-_RESTORING = {"resume_start", "restore_model"}
+# Lightning's functions that read ckpt_path and load its weights into the module, and its optimizer
+# state into the optimizers (ValueError: groups of other sizes, when other parameters train).
+_RESTORING = {"resume_start", "restore_model", "restore_optimizers_and_schedulers"}
 
 
 def _raised_restoring(err: BaseException) -> bool:
@@ -116,7 +117,7 @@ def restore_errors(ckpt_path: str | None, module: L.LightningModule) -> Iterator
     naming ``ckpt_path``; every other error passes unchanged."""
     try:
         yield
-    except RuntimeError as err:
+    except (RuntimeError, ValueError) as err:
         if not ckpt_path or not _raised_restoring(err):
             raise
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
@@ -124,7 +125,8 @@ def restore_errors(ckpt_path: str | None, module: L.LightningModule) -> Iterator
         detail = detail if len(detail) <= 600 else detail[:600] + " ..."
         raise ValueError(
             f"ckpt_path={ckpt_path!r} does not fit this run's {type(module).__name__} module: {detail}. "
-            "A checkpoint loads into the method, model and LoRA setting that wrote it (pass the training "
-            "run's method=/model=/lora= overrides); to start another method from its weights, export them "
+            "A checkpoint loads into the method, model and LoRA setting that wrote it, with the same "
+            "parameters trained (pass the training run's method=/model=/lora= overrides and "
+            "model.freeze_vision_tower); to start another method from its weights, export them "
             "(callbacks=[default,export]) and pass model.model_name_or_path=<that folder>."
         ) from err

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import re
 import subprocess
 import sys
 
@@ -190,3 +191,20 @@ def test_a_requeued_run_with_another_schedule_keeps_writing_last_ckpt(tmp_path):
     ]
     with pytest.warns(UserWarning, match="holds an earlier run's state, which this run .* replaces"):
         train(compose_train(fresh, tmp_path))
+
+
+def test_a_checkpoint_resumed_with_other_parameters_trained_names_ckpt_path(tmp_path):
+    # Its optimizer groups no longer fit: torch's bare "parameter group that doesn't match the size".
+    run = [
+        *CHECKPOINTS_ONLY,
+        "trainer.max_steps=1",
+        "trainer.limit_val_batches=0",
+        "model.freeze_vision_tower=true",
+    ]
+    train(compose_train(run, tmp_path / "a"))
+    ckpt = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    resume = [*CHECKPOINTS_ONLY, "trainer.max_steps=2", "trainer.limit_val_batches=0", f"ckpt_path={ckpt}"]
+    with pytest.raises(
+        ValueError, match=rf"ckpt_path={re.escape(repr(str(ckpt)))} does not fit .*freeze_vision_tower"
+    ):
+        train(compose_train(resume, tmp_path / "b"))
