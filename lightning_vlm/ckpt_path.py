@@ -17,6 +17,8 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_vlm.checkpoint_io import CheckpointLoadError
+
 log = logging.getLogger(__name__)
 
 # Lightning resolves these itself, to files its checkpoint callbacks wrote (loaded like any other path).
@@ -118,7 +120,8 @@ def restore_errors(ckpt_path: str | None, module: L.LightningModule) -> Iterator
     try:
         yield
     except (RuntimeError, ValueError) as err:
-        if not ckpt_path or not _raised_restoring(err):
+        # A file that is no checkpoint at all says so itself (CheckpointLoadError).
+        if not ckpt_path or isinstance(err, CheckpointLoadError) or not _raised_restoring(err):
             raise
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         detail = " ".join(lines[:3]).rstrip(".")

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 import lightning_vlm.config  # noqa: F401  (registers the ${tiny_vlm:...} and ${run_stamp:...} resolvers)
 from lightning_vlm.callbacks.export import publish_after_fit
 from lightning_vlm.callbacks.resume import BatchCountAfterResume, NextEpochAfterRestart
+from lightning_vlm.callbacks.rng_states import RngStates
 from lightning_vlm.callbacks.run_report import finish_reports
 from lightning_vlm.ckpt_path import checkpoint_to_load, last_checkpoint, restore_errors
 from lightning_vlm.loggers import WandbRunId, builds_wandb, ending_runs, start_runs, wandb_run_id
@@ -74,11 +75,11 @@ def instantiate_loggers(cfg: DictConfig | None, wandb_id: str | None = None) -> 
 def resume_callbacks(loggers: list[Any]) -> list[L.Callback]:
     """Callbacks every run gets, whatever ``callbacks=`` says, so that its checkpoints resume it exactly:
     Lightning's epoch counters repaired after a restart on an epoch's last batch or with another global
-    batch, and the W&B run's id."""
+    batch, the random-number states, and the W&B run's id."""
     from lightning.pytorch.loggers import WandbLogger
 
     wandb = any(isinstance(lg, WandbLogger) for lg in loggers)
-    return [NextEpochAfterRestart(), BatchCountAfterResume(), *([WandbRunId()] if wandb else [])]
+    return [NextEpochAfterRestart(), BatchCountAfterResume(), RngStates(), *([WandbRunId()] if wandb else [])]
 
 
 def drop_refused(callbacks: list[Any], trainer_cfg: DictConfig, has_logger: bool) -> list[Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers import compose_train
@@ -22,11 +23,15 @@ def _weights(out) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in out["module"].vlm.model.named_parameters()}
 
 
-def test_resume_mid_epoch_matches_an_uninterrupted_run(tmp_path):
-    _, straight = train(compose_train([*COMMON, "trainer.max_steps=10"], tmp_path / "a"))
+@pytest.mark.parametrize("dropout", [False, True], ids=["plain", "lora_dropout"])
+def test_resume_mid_epoch_matches_an_uninterrupted_run(tmp_path, dropout):
+    # With dropout, the random-number states must resume too (Lightning saves none): masks differed.
+    extra = ["lora=default", "model.lora.lora_dropout=0.1"] if dropout else []
+    _, straight = train(compose_train([*COMMON, *extra, "trainer.max_steps=10"], tmp_path / "a"))
     ckpt_dir = tmp_path / "b" / "ckpt"
     first = [
         *COMMON,
+        *extra,
         # A checkpoint taken mid-run (step 5 of 7), as a crash would leave it.
         "trainer.max_steps=7",
         "+callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint",
@@ -38,7 +43,9 @@ def test_resume_mid_epoch_matches_an_uninterrupted_run(tmp_path):
     state = torch.load(ckpt_dir / "mid.ckpt", weights_only=True)  # plain containers only
     assert state["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["batches"] == 5
     _, resumed = train(
-        compose_train([*COMMON, "trainer.max_steps=10", f"ckpt_path={ckpt_dir / 'mid.ckpt'}"], tmp_path / "c")
+        compose_train(
+            [*COMMON, *extra, "trainer.max_steps=10", f"ckpt_path={ckpt_dir / 'mid.ckpt'}"], tmp_path / "c"
+        )
     )
     a, b = _weights(straight), _weights(resumed)
     assert resumed["trainer"].global_step == 10
