@@ -136,3 +136,23 @@ def test_online_dpo_runs_no_old_policy_pass_under_another_sampler_or_several_ste
     assert trainer.global_step == 2 and module.generator.calls == 1
     assert len(forwards) == 2, "one policy forward per optimizer step, none for old log-probs"
     assert not any(k.startswith("train/is_ratio") for k in trainer.callback_metrics)
+
+
+def test_a_step_without_a_valid_pair_adds_no_zeros_to_the_pair_metrics(setup):
+    # Two optimizer steps per generation: the first holds only ties. It logged accuracies, margins and
+    # log-probs of 0 (a log-prob of 0 is impossible), averaged in: half the one-step values.
+    from online_helpers import FixedGenerator, fit_steps, sgd
+
+    path, rows, rollouts = setup
+    logged = {}
+    for spg in (1, 2):
+        module = OnlineDPO(VLM(path), optimizer=sgd(0.0), max_grad_norm=None, num_generations=2, num_candidates=2,
+                           beta=BETA, steps_per_generation=spg, max_completion_length=max(LENGTHS),
+                           reward_funcs=[table_reward(rollouts, REWARDS)])  # fmt: skip
+        module.generator = FixedGenerator(rollouts)
+        logged[spg] = {k: v.item() for k, v in fit_steps(module, rows, steps=spg).callback_metrics.items()}
+    assert logged[1]["train/logps/chosen"] < 0
+    for name in ("rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"):
+        assert logged[2][f"train/{name}"] == pytest.approx(logged[1][f"train/{name}"], rel=1e-5, abs=1e-6), (
+            name
+        )

@@ -156,6 +156,9 @@ class OnlineDPO(OnlineRL):
         # The loss is a mean over the step's valid pairs (of all ranks).
         counts = super().step_counts(batch, index)
         counts["pairs"] = batch.extras["pair_valid"][index.view(-1, 2)[:, 0] // 2].sum()
+        # Counts are floored at 1 / world size (global_counts), which hides a step with no valid pair on
+        # any rank; one more per rank never reaches the floor: exactly 1 then.
+        counts["pairs_and_ranks"] = counts["pairs"] + 1
         return counts
 
     def loss(
@@ -198,4 +201,6 @@ class OnlineDPO(OnlineRL):
                 "logps/chosen": (inputs.policy_chosen_logps * valid).sum() / n,
                 "logps/rejected": (inputs.policy_rejected_logps * valid).sum() / n,
             }
+            if step.counts["pairs_and_ranks"] == 1:  # a step of ties: nothing to describe, left out (NaN)
+                stats = {k: torch.full_like(v, float("nan")) for k, v in stats.items()}
         return loss, stats
