@@ -5,8 +5,9 @@ completion ``mask`` [N, T]; advantages are per sequence [N]. Nothing here reads 
 
 Gradient accumulation and data parallelism. The token-sum losses ("dapo", "dr_grpo", and "grpo"
 given ``num_sequences_in_batch``) are linear in the per-token terms, so if every micro-batch
-divides by the normaliser of the *whole* generation batch (active tokens for "dapo", sequences for
-"dr_grpo"/"grpo"), the sum of the micro-batch losses equals the full-batch loss, and so do the
+divides by the normaliser of its *whole* optimizer step (active tokens for "dapo", sequences for
+"dr_grpo"/"grpo", over all its micro-batches and ranks), the sum of the micro-batch losses equals the
+full-batch loss, and so do the
 gradients: batch 1 × accumulation 4 == batch 4 × accumulation 1. A local normaliser instead
 weighs a token by the length of its micro-batch. Two framework scalings must be undone by the
 caller: Lightning's automatic optimisation divides each micro-batch loss by
@@ -15,6 +16,11 @@ gradients over ranks (pass the global normaliser divided by the world size, as T
 "bnpo" is local by definition and is not accumulation-invariant. The newer types reduce like one of
 these (cispo and vespo as "dapo", sapo as "grpo"; luspo sums over tokens and divides by sequences), so
 the same holds for them; the entropy bonus divides by the step's tokens for every type.
+
+With several optimizer steps per generation (``steps_per_generation``), each step divides by its own
+count, as the DAPO paper's token-level mean over a training batch and verl's "token-mean" do. TRL
+divides every step by the whole generation's count instead, which weighs a step's loss by its share of
+the generation's tokens; with one step per generation (TRL's and our default) the two are the same.
 """
 
 from __future__ import annotations
@@ -155,7 +161,7 @@ def aggregate(
     bnpo: Σ l·m / Σ m over the local batch.
     dr_grpo (Liu et al. 2025): Σ l·m / (N · max_completion_length), a constant normaliser;
     ``max_completion_length`` defaults to T.
-    dapo (Yu et al. 2025): Σ l·m / (active tokens of the whole generation batch), passed as
+    dapo (Yu et al. 2025): Σ l·m / (active tokens of the whole optimizer step), passed as
     ``num_items_in_batch`` (default: the local Σ m).
     ``num_sequences_in_batch`` replaces N for grpo and dr_grpo (default: local N). See the module
     docstring for why the normalisers must be global under gradient accumulation. The newer types
