@@ -82,3 +82,25 @@ class LastOnDisk(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self.seen[trainer.global_step] = saved_step(self.path)
+
+
+class CrashInValidation(L.Callback):
+    """Raises (an OOM, a node failure) in the middle of the validation at ``at_step``."""
+
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_validation_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if not trainer.sanity_checking and trainer.global_step == self.at_step:
+            raise RuntimeError(f"crash in the validation of step {self.at_step}")
+
+
+class ValidationSteps(L.Callback):
+    """Records the step of every validation that ran to its end (sanity checks aside)."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.seen.append(trainer.global_step)

@@ -208,3 +208,20 @@ def test_a_checkpoint_resumed_with_other_parameters_trained_names_ckpt_path(tmp_
         ValueError, match=rf"ckpt_path={re.escape(repr(str(ckpt)))} does not fit .*freeze_vision_tower"
     ):
         train(compose_train(resume, tmp_path / "b"))
+
+
+def test_a_crash_during_a_validation_reruns_it_on_resume(tmp_path):
+    # last.ckpt was written at the batch end before the validation of its step: Lightning reads such a
+    # checkpoint as "validation done" and skipped it on resume (and the best checkpoint of that step).
+    from _checkpoint_probes import ValidationSteps
+
+    run = [*CHECKPOINTS_ONLY, "data.synthetic.num_val=8", "data.val_batch_size=4", "trainer.max_steps=4",
+           "trainer.val_check_interval=2", "callbacks.last_checkpoint.every_n_train_steps=2",
+           "+callbacks.steps._target_=_checkpoint_probes.ValidationSteps"]  # fmt: skip
+    crash = ["+callbacks.crash._target_=_checkpoint_probes.CrashInValidation", "+callbacks.crash.at_step=2"]
+    with pytest.raises(RuntimeError, match="crash in the validation of step 2"):
+        train(compose_train([*run, *crash], tmp_path))
+    _, out = train(compose_train([*run, "ckpt_path=last"], tmp_path))
+    (steps,) = [c for c in out["trainer"].callbacks if isinstance(c, ValidationSteps)]
+    assert out["trainer"].global_step == 4 and steps.seen == [2, 4]
+    assert saved_step(tmp_path / "checkpoints" / "last.ckpt") == 4

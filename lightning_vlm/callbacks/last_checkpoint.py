@@ -6,7 +6,9 @@ since then. This callback is a second ``ModelCheckpoint`` beside the best-by-met
 of combining schedules): no monitor, no top-k files, only ``last.ckpt``, written every
 ``every_n_train_steps`` optimizer steps, at the batch where fit is stopped early (``max_time``, early
 stopping), once more when fit ends, or when the job is told to stop
-(SIGTERM: a preemption, a scheduler's time limit, ``kill``), so a preempted run loses no step.
+(SIGTERM: a preemption, a scheduler's time limit, ``kill``), so a preempted run loses no step. A save
+due at a batch that a validation follows waits for that validation's end: Lightning reads a checkpoint
+written at a batch end as past that batch's validation, so a crash during the validation lost it.
 
 A stop asked for in the middle of a gradient accumulation (``trainer.accumulate_grad_batches``) waits
 for that accumulation's optimizer step. Lightning would stop at once and drop the accumulated
@@ -38,6 +40,12 @@ def _accumulating(trainer: L.Trainer) -> bool:
     return trainer.fit_loop.epoch_loop._should_accumulate()
 
 
+def _validates_next(trainer: L.Trainer) -> bool:
+    # Lightning's own test, run again after this hook for the batch just run: a validation follows it.
+    loop = trainer.fit_loop
+    return loop._data_fetcher is not None and loop.epoch_loop._should_check_val_fx(loop._data_fetcher)
+
+
 class LastCheckpoint(ModelCheckpoint):
     """Writes ``<dirpath>/last.ckpt`` every ``every_n_train_steps`` optimizer steps (``0``: only at the end)
     and at the end of fit: the full training state (optimizer, loops, data position), so a run resumes
@@ -60,6 +68,7 @@ class LastCheckpoint(ModelCheckpoint):
         # global_step at the previous batch end: the schedule fires when a multiple of N is crossed.
         self._step_before: int | None = None
         self._stop_held = False  # a stop asked for mid-accumulation, held until its optimizer step
+        self._after_validation = False  # a scheduled save waiting for the validation of its batch
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Also warns when a run that resumes nothing finds an earlier run's ``last.ckpt``: it replaces it."""
@@ -95,6 +104,12 @@ class LastCheckpoint(ModelCheckpoint):
         last_step = 0 < trainer.max_steps <= step
         if self._hold_stop(trainer):
             return
+        if due and not (last_step or _stopping(trainer)) and _validates_next(trainer):
+            # Written here, before the validation that follows this batch, Lightning would read it as
+            # "validation done" and skip that validation on resume: a crash or a preemption during it lost
+            # it (and the best checkpoint of that step). Written once it ran instead (on_validation_end).
+            self._after_validation = True
+            return
         if due or last_step or _stopping(trainer):
             self._save_now(trainer)
 
@@ -118,7 +133,8 @@ class LastCheckpoint(ModelCheckpoint):
         checkpoint's business."""
         if trainer.sanity_checking or self._hold_stop(trainer):  # sanity check: Lightning ignores its stops
             return
-        if _stopping(trainer):
+        if _stopping(trainer) or self._after_validation:
+            self._after_validation = False
             self._save_now(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
