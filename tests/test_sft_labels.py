@@ -170,12 +170,35 @@ def test_a_template_that_closes_no_answer_gets_the_end_of_turn_after_each_traine
         prompt = [_user("Colour?", image=True)]
         row = normalize_row({"messages": [*prompt, _assistant("red")], "images": [image]}, "sft")
         assert eot not in render(vlm.processor, row["messages"])
-        assert [run.strip() for run in labelled(vlm, row)] == [f"red {eot}"]
+        assert [run.strip() for run in labelled(vlm, row)] == [f"red{eot}"]  # as LLaVA: no space before it
         ids = vlm.encode_sft([row])["input_ids"][0].tolist()
         head = vlm.encode_prompts([prompt], [[image]])["input_ids"][0].tolist()
         answer = answer_ids(vlm, prompt, row["messages"][1:], "test")  # rows hold blocks
-        assert ids == head + answer and vlm.tokenizer.decode(answer).strip() == f"red {eot}"
+        assert (
+            ids[: len(head) + len(answer)] == head + answer
+            and vlm.tokenizer.decode(answer).strip() == f"red{eot}"
+        )
         messages = [_user("Colour?"), _assistant("red"), _user("Sure?"), _assistant("yes")]
         runs = labelled(vlm, normalize_row({"messages": messages}, "sft"))
-        assert [run.strip() for run in runs] == [f"red {eot}", f"yes {eot}"]
+        assert [run.strip() for run in runs] == [f"red{eot}", f"yes{eot}"]
     assert sum("closes an assistant answer with no" in r.message for r in caplog.records) == 1  # said once
+
+
+def test_a_thinking_prefill_is_the_answers_own_start_not_inserted(vlms):
+    # QwQ-style: the generation prompt ends with "<think>\n", which a row's answer carries itself with its
+    # reasoning. Taken for Gemma's empty channel, it was put before the answer again: "<think>" twice.
+    from lightning_vlm.methods.preference_batch import answer_ids
+    from lightning_vlm.models.tiny_templates import QWEN_TEMPLATE
+
+    vlm = vlms("qwen2_5_vl")
+    template = QWEN_TEMPLATE.replace(
+        "'<|im_start|>assistant\\n' -}}{%- endif", "'<|im_start|>assistant\\n<think>\\n' -}}{%- endif"
+    )
+    assert template != QWEN_TEMPLATE
+    with chat_template(vlm, template):
+        prompt, answer = [_user("Colour?")], [_assistant("<think>\nshape is red\n</think>\n\nred")]
+        tail = vlm.tokenizer.decode(answer_ids(vlm, prompt, answer, "test"))
+        assert tail == "shape is red\n</think>\n\nred<|im_end|>"
+        row = normalize_row({"messages": [*prompt, *answer]}, "sft")
+        assert labelled(vlm, row) == ["shape is red\n</think>\n\nred<|im_end|>"]
+        assert vlm.tokenizer.decode(vlm.encode_sft([row])["input_ids"][0]).count("<think>") == 1

@@ -49,7 +49,7 @@ def answer_ids(vlm, prompt: list[dict], answer: list[dict], where: str) -> list[
         tail = tail[: end + len(vlm.end_of_turn)]
     else:
         warn_unclosed(vlm.processor, vlm.end_of_turn)
-        tail += vlm.end_of_turn
+        tail = tail.rstrip() + vlm.end_of_turn  # right after the text, as SFT puts it
     return vlm.tokenizer(tail, add_special_tokens=False)["input_ids"]
 
 

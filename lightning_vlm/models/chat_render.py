@@ -9,6 +9,7 @@ found once per processor and chat template by rendering a probe, and cached on t
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,8 @@ log = logging.getLogger(__name__)
 _PROBE = "system-probe-7f3a"
 _ANSWER_PROBE = "answer-probe-7f3a"
 _USER = {"role": "user", "content": [{"type": "text", "text": "?"}]}
+# Text ending with an opening tag: "<think>", "<|channel>" (not "</think>" nor "<channel|>").
+_OPENS_BLOCK = re.compile(r"<\|?[A-Za-z_]+>\s*$")
 
 
 def render(processor, messages: list[dict], add_generation_prompt: bool = False) -> str:
@@ -87,8 +90,13 @@ def answer_header(processor) -> tuple[str, str]:
             return opened, ""
         at = finished.find(_ANSWER_PROBE)
         header = finished[len(bare) : at] if finished.startswith(bare) and at >= 0 else opened
-        if header and opened.startswith(header) and len(opened) > len(header):
-            return header, opened[len(header) :]
+        prefill = opened[len(header) :] if header and opened.startswith(header) else ""
+        # A prefill that opens a block ("<think>\n", QwQ-style thinking templates) is the start of the
+        # answer's own text: a row's answer carries its reasoning and the "</think>" that closes it, as
+        # before. Only a closed one (Gemma's empty channel, Qwen3's "<think>\n\n</think>\n\n") is put
+        # before answers that lack it.
+        if prefill and not _OPENS_BLOCK.search(prefill):
+            return header, prefill
         return opened, ""
 
     return _cached(processor, "_lightning_vlm_answer_header", probe)

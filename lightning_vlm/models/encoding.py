@@ -71,7 +71,8 @@ def assistant_char_spans(
         if eot >= 0:
             spans.append((len(prefix), eot + len(end_of_turn), ""))
         else:
-            spans.append((len(prefix), len(upto), end_of_turn))
+            # Right after the answer's text, before the template's trailing space: "red</s>", as LLaVA.
+            spans.append((len(prefix), len(upto.rstrip()), end_of_turn))
             warn_unclosed(processor, end_of_turn)
     return _with_insertions(text, spans, prefill)
 
