@@ -12,6 +12,7 @@ import random
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -178,7 +179,12 @@ def test_a_requeued_run_with_another_schedule_keeps_writing_last_ckpt(tmp_path):
     for steps, every in ((4, 2), (6, 3), (9, 3)):
         run = [*CHECKPOINTS_ONLY, "~callbacks.model_checkpoint", "trainer.limit_val_batches=0", "ckpt_path=last",
                f"trainer.max_steps={steps}", f"callbacks.last_checkpoint.every_n_train_steps={every}"]  # fmt: skip
-        _, out = train(compose_train(run, tmp_path))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, out = train(compose_train(run, tmp_path))
+        assert not [
+            w for w in caught if "holds an earlier run's state" in str(w.message)
+        ]  # resumes are quiet
         assert out["trainer"].global_step == steps
         assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt"]
         assert saved_step(checkpoints / "last.ckpt") == steps
@@ -225,3 +231,19 @@ def test_a_crash_during_a_validation_reruns_it_on_resume(tmp_path):
     (steps,) = [c for c in out["trainer"].callbacks if isinstance(c, ValidationSteps)]
     assert out["trainer"].global_step == 4 and steps.seen == [2, 4]
     assert saved_step(tmp_path / "checkpoints" / "last.ckpt") == 4
+
+
+def test_a_run_without_validation_rows_keeps_its_last_ckpt_schedule(tmp_path):
+    # A save due at a validation step waits for that validation; without validation rows none runs (nor
+    # its end hook): the save must still happen, not wait for good.
+    import json
+
+    row = {"messages": [{"role": "user", "content": "Colour?"}, {"role": "assistant", "content": "red"}]}
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(row) for _ in range(32)))
+    last = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    run = [*CHECKPOINTS_ONLY, "~callbacks.model_checkpoint", f"data.train={tmp_path / 'train.jsonl'}",
+           "trainer.val_check_interval=2", "callbacks.last_checkpoint.every_n_train_steps=2", "trainer.max_steps=5",
+           "+callbacks.probe._target_=_checkpoint_probes.LastOnDisk", f"+callbacks.probe.path={last}"]  # fmt: skip
+    _, out = train(compose_train(run, tmp_path / "a"))
+    (seen,) = [c.seen for c in out["trainer"].callbacks if isinstance(c, LastOnDisk)]
+    assert seen[3] == 2 and seen[5 - 1] == 4

@@ -42,7 +42,10 @@ def _accumulating(trainer: L.Trainer) -> bool:
 
 def _validates_next(trainer: L.Trainer) -> bool:
     # Lightning's own test, run again after this hook for the batch just run: a validation follows it.
+    # Without validation rows (a DataModule's val_dataset None) its loop returns before any hook.
     loop = trainer.fit_loop
+    if getattr(trainer.datamodule, "val_dataset", True) is None:
+        return False
     return loop._data_fetcher is not None and loop.epoch_loop._should_check_val_fx(loop._data_fetcher)
 
 
@@ -70,20 +73,17 @@ class LastCheckpoint(ModelCheckpoint):
         self._stop_held = False  # a stop asked for mid-accumulation, held until its optimizer step
         self._after_validation = False  # a scheduled save waiting for the validation of its batch
 
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        """Also warns when a run that resumes nothing finds an earlier run's ``last.ckpt``: it replaces it."""
-        super().setup(trainer, pl_module, stage)
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Starts the schedule at the (possibly resumed) global step; warns when a run that resumes nothing
+        finds an earlier run's ``last.ckpt``, which it replaces (here: ``ckpt_path`` is set by now)."""
+        super().on_train_start(trainer, pl_module)
+        self._step_before = trainer.global_step
         last = Path(self.dirpath or "") / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
-        if stage == "fit" and trainer.ckpt_path is None and self.dirpath and last.is_file():
+        if trainer.ckpt_path is None and self.dirpath and last.is_file():
             rank_zero_warn(
                 f"{last} holds an earlier run's state, which this run (resuming nothing) replaces at its first "
                 "save: resume it with ckpt_path=last, or give this run another hydra.run.dir"
             )
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Starts the schedule at the (possibly resumed) global step."""
-        super().on_train_start(trainer, pl_module)
-        self._step_before = trainer.global_step
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -96,7 +96,10 @@ class LastCheckpoint(ModelCheckpoint):
         every, step = self._every_n_train_steps, trainer.global_step
         before = step if self._step_before is None else self._step_before
         self._step_before = step
-        due = every >= 1 and step // every > before // every
+        # A save left for the previous batch's validation, which did not run (no validation batches):
+        # written now, one batch late rather than never.
+        due = every >= 1 and step // every > before // every or self._after_validation
+        self._after_validation = False
         # The last step of a max_steps run, and a stop asked for in this batch (max_time's Timer; our
         # hook runs after every other callback's, as Lightning orders checkpoint callbacks last), are
         # saved here, not in on_train_end: by then Lightning has marked the epoch finished, and a
@@ -106,8 +109,9 @@ class LastCheckpoint(ModelCheckpoint):
             return
         if due and not (last_step or _stopping(trainer)) and _validates_next(trainer):
             # Written here, before the validation that follows this batch, Lightning would read it as
-            # "validation done" and skip that validation on resume: a crash or a preemption during it lost
-            # it (and the best checkpoint of that step). Written once it ran instead (on_validation_end).
+            # "validation done" and skip that validation on resume: a crash during it lost it (and the
+            # best checkpoint of that step). Written once it ran instead (on_validation_end). SIGTERM
+            # during it still saves at once (on_exception): no step lost, that validation skipped.
             self._after_validation = True
             return
         if due or last_step or _stopping(trainer):
