@@ -144,15 +144,16 @@ def test_a_step_without_a_valid_pair_adds_no_zeros_to_the_pair_metrics(setup):
     from online_helpers import FixedGenerator, fit_steps, sgd
 
     path, rows, rollouts = setup
+    # spg 3: steps of 2, 1 and 1 pairs, one pair per micro-batch (steps with unequal micro-batch counts).
     logged = {}
-    for spg in (1, 2):
+    for spg, micro in ((1, None), (2, None), (3, 2)):
         module = OnlineDPO(VLM(path), optimizer=sgd(0.0), max_grad_norm=None, num_generations=2, num_candidates=2,
-                           beta=BETA, steps_per_generation=spg, max_completion_length=max(LENGTHS),
-                           reward_funcs=[table_reward(rollouts, REWARDS)])  # fmt: skip
+                           beta=BETA, steps_per_generation=spg, micro_batch_size=micro,
+                           max_completion_length=max(LENGTHS), reward_funcs=[table_reward(rollouts, REWARDS)])  # fmt: skip
         module.generator = FixedGenerator(rollouts)
         logged[spg] = {k: v.item() for k, v in fit_steps(module, rows, steps=spg).callback_metrics.items()}
     assert logged[1]["train/logps/chosen"] < 0
-    for name in ("rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"):
-        assert logged[2][f"train/{name}"] == pytest.approx(logged[1][f"train/{name}"], rel=1e-5, abs=1e-6), (
-            name
-        )
+    for spg in (2, 3):
+        for name in ("rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"):
+            expected = logged[1][f"train/{name}"]
+            assert logged[spg][f"train/{name}"] == pytest.approx(expected, rel=1e-5, abs=1e-6), (spg, name)

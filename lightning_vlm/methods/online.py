@@ -217,6 +217,7 @@ class OnlineRL(RootCalls, RolloutSampling):
         for micro_batches, step_counts in steps:
             step = Step(torch.cat(micro_batches).to(self.device), step_counts)
             opt.zero_grad()
+            step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
             for j, index in enumerate(micro_batches):
                 # Gradients are all-reduced once per optimizer step, on its last micro-batch.
                 sync = j == len(micro_batches) - 1
@@ -225,9 +226,12 @@ class OnlineRL(RootCalls, RolloutSampling):
                         self, self._micro_batch_loss, batch, index.to(self.device), step
                     )
                     self.manual_backward(loss)
-                metrics["loss"].append(loss.detach())
+                step_metrics["loss"].append(loss.detach())
                 for k, v in stats.items():
-                    metrics[k].append(v if k.endswith(EXTREMES) else v * len(index) / len(step.index))
+                    step_metrics[k].append(v if k.endswith(EXTREMES) else v * len(index) / len(step.index))
+            # One value per step (its micro-batches' weighted terms summed); extremes keep every value.
+            for k, values in step_metrics.items():
+                metrics[k] += values if k.endswith(EXTREMES) else [torch.stack(values).sum()]
             opt.step()  # clips in on_before_optimizer_step
             if sched is not None:
                 sched.step()

@@ -107,18 +107,16 @@ def pooled_correction(
 
 
 def step_value(name: str, values: list[torch.Tensor], steps: int) -> torch.Tensor:
-    """A statistic over a generation's ``steps`` optimizer steps from its micro-batches' values: the
-    extreme for ``/min`` and ``/max`` names (NaN values, from micro-batches with nothing to describe,
-    skipped; 0 if all are), else the mean over steps of values already weighted to a mean per step,
-    over the steps that had something to describe (a step of Online DPO ties gives NaN: left out, not
-    averaged in as 0; NaN if no step had anything)."""
+    """A statistic over a generation's ``steps`` optimizer steps: the extreme of its micro-batches' values
+    for ``/min`` and ``/max`` names (NaN values, from micro-batches with nothing to describe, skipped; 0
+    if all are), else the mean of its per-step values (one per step) over the steps that had something
+    to describe (a step of Online DPO ties gives NaN: left out, not averaged in as 0; NaN if none had)."""
     stacked = torch.stack(values)
     if not name.endswith(EXTREMES):
         described = ~stacked.isnan()
         if described.all():
             return stacked.sum() / steps
-        # Every step has as many micro-batches, all NaN in a step with nothing to describe.
-        return stacked[described].sum() / (steps * described.float().mean())
+        return stacked[described].sum() / described.sum()
     stacked = stacked[~stacked.isnan()]
     if not stacked.numel():
         return torch.zeros((), device=stacked.device)
