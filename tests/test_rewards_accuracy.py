@@ -88,3 +88,4 @@ def test_integers_are_compared_exactly():
         and answers_match("2.50", "2.5")
         and answers_match("0.30000000000000004", "0.3")
     )
+    assert answers_match("2^60", "1152921504606846976")  # a power's value is exact

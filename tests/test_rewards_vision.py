@@ -364,6 +364,8 @@ def test_a_power_is_read_by_value():
     assert parse_number("10^{-2}") == pytest.approx(0.01)
     assert numeric_reward(["10^3", "10^3"], [1000, 10]) == [1.0, 0.0]
     assert parse_number("area 12 cm^2") == 12.0  # a unit's exponent is still no number
+    # A fractional exponent is not read as a power (it read "4^0.5" as 1.5), nor a list's "000^2".
+    assert parse_number("4^0.5") == 4.0 and parse_number("1,000^2") == 1000.0
 
 
 def test_a_solution_listing_numbers_accepts_any_of_them():

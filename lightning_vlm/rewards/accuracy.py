@@ -25,7 +25,10 @@ NUMBER = re.compile(
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # LaTeX forms of a number (R1-style math answers): \frac{1}{2} (\dfrac, \tfrac) and 1.5 \times 10^{3}.
 _FRAC = re.compile(r"\\[dt]?frac\s*\{\s*([^{}]*?)\s*\}\s*\{\s*([^{}]*?)\s*\}")
-_POWER = re.compile(r"(?<![A-Za-z0-9^_.])(\d+(?:\.\d+)?)\s*\^\s*\{?\s*([-+\u2212]?\d+)\s*\}?")
+# A whole exponent only ("4^0.5" is no power read here), after a base that is not a name's or a list's.
+_POWER = re.compile(
+    r"(?<![A-Za-z0-9^_.,])(\d+(?:\.\d+)?)\s*\^\s*(\{)?\s*([-+\u2212]?\d+)(?![\d.])\s*(?(2)\})"
+)
 _TIMES_TEN = re.compile(r"(\d)\s*(?:\\times|\\cdot|\u00d7|x|\*)\s*10\s*\^\s*\{?\s*([-+\u2212]?\d+)\s*\}?")
 
 
@@ -62,9 +65,14 @@ def latex_numbers(text: str) -> str:
 
 
 def _power_value(match: re.Match) -> str:
+    base, exponent = match.group(1), int(match.group(3).replace(chr(0x2212), "-"))
+    if abs(exponent) > 400:  # 10^400 or 10^-400: no float holds it; left as written
+        return match.group(0)
+    if base.isdigit() and exponent >= 0:
+        return str(int(base) ** exponent)  # exact: 2^60 is 1152921504606846976
     try:
-        return f"{float(match.group(1)) ** int(match.group(2).replace(chr(0x2212), '-')):.15g}"
-    except (OverflowError, ZeroDivisionError):  # 10^400, 0^-1: no number
+        return repr(float(base) ** exponent)
+    except (OverflowError, ZeroDivisionError):  # 9.9^400, 0^-1: no number
         return match.group(0)
 
 

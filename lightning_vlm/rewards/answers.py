@@ -38,7 +38,7 @@ NUMBER_WORDS: dict[str, int] = {
 # often a reply ("No, there are three") as a count.
 COUNT_WORDS: dict[str, int] = {**NUMBER_WORDS, "none": 0}
 # A hyphen on either side means a compound ("twenty-one"), outside the words counted.
-# A sign is read with its digits: "-3" is a count of -3, no count of 3, and "3-4" names 3 and -4 (a hedge).
+# A sign is read with its digits: "-3" is a count of -3, no count of 3; "3-4" names 3 and 4 (a hedge).
 _COUNT = re.compile(
     rf"(?<![\w.])([-\u2212]?(?:{THOUSANDS}|\d+)(?:\.\d+)?)(?!\w)|(?<![\w-])("
     + "|".join(COUNT_WORDS)
