@@ -43,7 +43,9 @@ def restore(states: dict[str, Any]) -> None:
     version, internal, gauss = states["python"]
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        # One state per GPU seen when saved: a machine with fewer visible GPUs restores those it has.
+        for device, state in enumerate(states["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, device)
 
 
 def _gathered(states: dict[str, Any]) -> list[dict[str, Any]]:
