@@ -24,6 +24,7 @@ from lightning_vlm.data.files import (
     row_dirs,
     split_names,
 )
+from lightning_vlm.data.images import IMAGE_SUFFIXES
 from lightning_vlm.data.loaded import DatasetRows, Source, load_hf_dataset, logger, warn_json_text
 
 
@@ -66,7 +67,7 @@ def from_folder(folder: Path, subset: str | None, split: str) -> Source:
     return Source(DatasetRows(dataset), name, folder, row_dirs=dirs)
 
 
-_MEDIA = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff", ".wav", ".mp3", ".flac"}
+_MEDIA = {*IMAGE_SUFFIXES, ".wav", ".mp3", ".flac"}
 
 
 def _check_builder(folder: Path, named: Mapping[str, list[Path]] | None) -> None:

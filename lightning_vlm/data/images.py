@@ -28,6 +28,9 @@ from PIL import Image, ImageOps
 
 from lightning_vlm.data.rows import ImageRef, RowError, normalize_row
 
+# Image file suffixes: a column of such paths is images (skips), a folder of such files an image folder.
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
+
 RGB = tuple[int, int, int]
 WHITE: RGB = (255, 255, 255)
 _ORIENTATION = 0x0112  # the EXIF tag saying how a stored image is turned

@@ -14,6 +14,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from PIL import Image
+
+from lightning_vlm.data.images import IMAGE_SUFFIXES
 from lightning_vlm.data.rows import RowError
 
 if TYPE_CHECKING:  # sources/templates import datasets machinery; only their types are needed here
@@ -85,15 +88,14 @@ def scan(
     return good, skipped
 
 
-_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
-
-
 def _looks_like_image(value: object) -> bool:
     if isinstance(value, list | tuple):
         return bool(value) and all(map(_looks_like_image, value))
     if isinstance(value, dict):
         return "bytes" in value
-    return (isinstance(value, str) and value.lower().endswith(_IMAGE_SUFFIXES)) or hasattr(value, "getpixel")
+    return (isinstance(value, str) and value.lower().endswith(IMAGE_SUFFIXES)) or isinstance(
+        value, Image.Image
+    )
 
 
 def _warn_unread_images(row: dict, name: str) -> None:
