@@ -238,7 +238,7 @@ class OnlineRL(RootCalls, RolloutSampling):
             self.on_policy_update()
         # Loss terms add up over a step's micro-batches; the stats were weighted to a mean per step.
         # Each rank's loss is its share of the step's loss: the mean over ranks is the step's loss.
-        log_synced(self, {f"train/{k}": step_value(k, v, len(steps)) for k, v in metrics.items()}, len(rows))
+        log_synced(self, {f"train/{k}": step_value(k, v) for k, v in metrics.items()}, len(rows))
 
     def _micro_batch_loss(
         self, batch: RolloutBatch, index: torch.Tensor, step: Step

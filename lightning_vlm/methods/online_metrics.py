@@ -106,16 +106,14 @@ def pooled_correction(
     return out
 
 
-def step_value(name: str, values: list[torch.Tensor], steps: int) -> torch.Tensor:
-    """A statistic over a generation's ``steps`` optimizer steps: the extreme of its micro-batches' values
+def step_value(name: str, values: list[torch.Tensor]) -> torch.Tensor:
+    """A statistic over a generation's optimizer steps: the extreme of its micro-batches' values
     for ``/min`` and ``/max`` names (NaN values, from micro-batches with nothing to describe, skipped; 0
     if all are), else the mean of its per-step values (one per step) over the steps that had something
     to describe (a step of Online DPO ties gives NaN: left out, not averaged in as 0; NaN if none had)."""
     stacked = torch.stack(values)
     if not name.endswith(EXTREMES):
         described = ~stacked.isnan()
-        if described.all():
-            return stacked.sum() / steps
         return stacked[described].sum() / described.sum()
     stacked = stacked[~stacked.isnan()]
     if not stacked.numel():
