@@ -295,7 +295,7 @@ def test_think_format_reward_reads_a_completion_after_a_prefilled_think(tiny_pat
     # inside the think block, and every one scored 0, as in TRL.
     from lightning_vlm.generation.base import Rollouts
     from lightning_vlm.methods.grpo import GRPO
-    from lightning_vlm.models import encoding
+    from lightning_vlm.models import chat_render
     from lightning_vlm.models.vlm import VLM
 
     vlm = VLM(tiny_path("qwen2_5_vl"))
@@ -305,7 +305,7 @@ def test_think_format_reward_reads_a_completion_after_a_prefilled_think(tiny_pat
     )
     assert template != vlm.processor.chat_template
     vlm.processor.chat_template = vlm.tokenizer.chat_template = template
-    vlm.generation_prompt = encoding.generation_prompt(vlm.processor)
+    vlm.generation_prompt = chat_render.generation_prompt(vlm.processor)
     assert vlm.generation_prompt == "<|im_start|>assistant\n<think>\n"
     completions = ["red things</think><answer>red</answer>", "<think>x</think><answer>red</answer>", "red"]
     module = GRPO(vlm, optimizer=None, reward_funcs=[think_format_reward], num_generations=3)

@@ -21,7 +21,7 @@ from PIL import Image
 
 from lightning_vlm.data.rows import COMPLETION_MESSAGES
 
-from .chat_render import answer_header, generation_prompt, render, warn_unclosed  # noqa: F401 (generation_prompt: re-exported)
+from .chat_render import answer_header, render, warn_unclosed
 from .family_rules import image_token_id
 from .image_tokens import NUM_IMAGES_KEY
 from .token_boundaries import TYPE_ID_KEYS, is_token_key, placeholder_shift, split_straddling

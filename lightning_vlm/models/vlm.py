@@ -13,6 +13,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from . import encoding, vision_every_rank
 from .adapter_folder import adapter_chain, merge_adapters
+from .chat_render import generation_prompt
 from .families import family_of
 from .image_tokens import NUM_IMAGES_KEY, check_image_tokens
 from .logprobs import scatter_to_tokens, scored_positions, selective_logps, softcapped
@@ -61,7 +62,7 @@ class VLM(torch.nn.Module):
         )
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         # Rewards get it (``generation_prompt``): a prefilled "<think>" is part of every completion's text.
-        self.generation_prompt = encoding.generation_prompt(self.processor)
+        self.generation_prompt = generation_prompt(self.processor)
         # An adapter folder loads as its base model with the adapter merged in; vLLM, which needs a full
         # model on disk, loads that base, and the first weight sync brings the merged weights.
         self.full_model_path, adapters = adapter_chain(model_name_or_path)
