@@ -100,3 +100,35 @@ def test_ocr_reads_full_width_letters_and_ligatures_as_what_they_show():
     assert ocr_similarity("ＨＥＬＬＯ", "hello") == 1.0
     assert ocr_similarity("ﬁle", "file") == 1.0
     assert ocr_similarity("ＨＥＬＬＯ", "HELLO", normalize=False) == 0.0  # exact: as written
+
+
+def test_an_empty_box_solution_is_a_missing_cell():
+    # A row whose solution holds no box ([] in a bbox column) has no reference, as a blank answer cell
+    # has: it scores None (left out of the reward), not an error that stops the run.
+    assert iou_reward(["[0, 0, 10, 10]"] * 3, solution=[[], (), [0, 0, 10, 10]]) == [None, None, 1.0]
+    assert giou_reward(["[0, 0, 10, 10]"], solution=[[]]) == [None]
+
+
+def test_a_normalized_solution_under_norm1000_is_refused():
+    # Completions in Qwen2-VL's 0..1000 against solutions in 0..1 never overlap: every reward would be
+    # 0 with no sign why. A solution box wholly inside 0..1 names the setting to change.
+    with pytest.raises(ValueError, match=r"row 0: .*within 0\.\.1.*coordinates='normalized'"):
+        iou_reward(["[100, 100, 300, 300]"], solution=[[0.1, 0.1, 0.3, 0.3]], coordinates="norm1000")
+    # In pixels (the default) both sides share whatever system the data uses: 0..1 boxes are fine.
+    assert iou_reward(["[0.1, 0.1, 0.3, 0.3]"], solution=[[0.1, 0.1, 0.3, 0.3]]) == [1.0]
+
+
+@pytest.mark.parametrize(
+    ("text", "letter"),
+    [
+        ("The answer I think is C", "C"),  # the pronoun after a cue word, among ten options
+        ("My answer, I believe, is C", "C"),
+        ("the answer is I think C", "C"),
+        ("Answer: I", "I"),
+        ("Answer: (I) because it fits", "I"),
+    ],
+)
+def test_the_pronoun_i_after_a_cue_word_is_not_option_i(text, letter):
+    from lightning_vlm.rewards.choices import parse_choice
+
+    assert parse_choice(text, "ABCDEFGHIJ") == letter

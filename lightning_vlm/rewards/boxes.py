@@ -168,6 +168,12 @@ def _solution_box(reference: Any, box_format: str, coordinates: str) -> Box:
             f"the solution box {box} lies outside 0..{limit:g} of coordinates={coordinates!r}; "
             "set `coordinates` to the system the solutions are written in"
         )
+    if coordinates == "norm1000" and all(v <= 1.0 for v in box):
+        # Qwen2-VL's 0..1000 completions never overlap a 0..1 box: every reward would be 0, silently.
+        raise ValueError(
+            f"the solution box {box} lies within 0..1: it reads as normalized coordinates, not "
+            "coordinates='norm1000' (0..1000); set coordinates='normalized' if the solutions are 0..1"
+        )
     return box
 
 

@@ -64,11 +64,14 @@ def _missing(value: Any) -> bool:
     # pandas' NA / NaT when they went through pandas.
     if value is None or type(value).__name__ in ("NAType", "NaTType"):
         return True
+    if isinstance(value, list | tuple):
+        # An empty list holds no reference: no accepted answer, no box.
+        return not value
     if isinstance(value, (str, bytes)):
         return not value.strip()
     try:
         return math.isnan(value)
-    except (TypeError, ValueError):  # lists, dicts, ...: a value
+    except (TypeError, ValueError):  # dicts, arrays, ...: a value
         return False
 
 
@@ -85,7 +88,7 @@ def accuracy_reward(
         )
     rewards: list[float | None] = []
     for completion, reference in zip(completions, solution, strict=True):
-        if _missing(reference) or (isinstance(reference, (list, tuple)) and not reference):
+        if _missing(reference):
             rewards.append(None)
         else:  # a list of strings: accepted answers, any one matches (answers_match)
             rewards.append(1.0 if answers_match(completion_text(completion), reference) else 0.0)

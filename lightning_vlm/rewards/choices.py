@@ -48,9 +48,11 @@ def _marked_mentions(answer: str) -> set[str]:
     """The letters marked as options: parenthesised, or after "answer", "option" or "choice"."""
     mentions = {m.group(1).upper() for m in _PAREN_CHOICE.finditer(answer)}
     for match in _CUE_CHOICE.finditer(answer):
-        # "the answer is a cat": a lower-case "a" followed by a word is the article.
-        if not (match.group(1) == "a" and _is_word(answer, "a", match.end())):
-            mentions.add(match.group(1).upper())
+        # "the answer is a cat": a lower-case "a" followed by a word is the article; "the answer I think
+        # is C": "I" followed by one is the pronoun, as a lone capital is (a parenthesised "(I)" counts).
+        letter = match.group(1)
+        if not (letter in "aI" and _is_word(answer, letter, match.end())):
+            mentions.add(letter.upper())
     return mentions
 
 
