@@ -5,12 +5,15 @@ reference is the loaded policy), and a second unmerged export chains back onto t
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_vlm.data.synthetic import synthetic_rows
 from lightning_vlm.models.adapter_folder import adapter_chain
+from lightning_vlm.models.model_source import check_model_source
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.scale_guard import check_model_scale
 from lightning_vlm.models.vlm import VLM
@@ -95,3 +98,38 @@ def test_an_adapter_folder_without_a_base_or_in_a_loop_names_its_config(exports,
         adapter_chain(tmp_path / "nobase")
     with pytest.raises(ValueError, match="name each other as base"):
         adapter_chain(tmp_path / "a")
+
+
+def test_an_adapter_repo_on_the_hub_loads_as_an_adapter_folder(exports, tmp_path):
+    # The unmerged export pushed to the hub (push_to_hub=true, merge_lora=false), read by its repo id from
+    # the hub cache: transformers alone would inject its adapter frozen, as for a local folder.
+    root, policy = exports
+    snapshot = tmp_path / "models--me--lora" / "snapshots" / ("0" * 40)
+    shutil.copytree(root / "adapter", snapshot)
+    (tmp_path / "models--me--lora" / "refs").mkdir()
+    (tmp_path / "models--me--lora" / "refs" / "main").write_text("0" * 40)
+    # What a download records for the files the repo lacks (offline lookups then know they are absent).
+    absent = tmp_path / "models--me--lora" / ".no_exist" / ("0" * 40)
+    absent.mkdir(parents=True)
+    (absent / "config.json").touch()
+    where = {"cache_dir": str(tmp_path)}
+    assert adapter_chain("me/lora", **where) == (adapter_chain(str(root / "adapter"))[0], ["me/lora"])
+    check_model_source("me/lora", cache_dir=str(tmp_path))  # offline: an adapter repo has no config.json
+    vlm = VLM("me/lora", model_kwargs=where)
+    torch.testing.assert_close(_logits(vlm.eval()), policy, atol=1e-5, rtol=1e-5)
+    assert not vlm.is_lora and _trainable(vlm) == _trainable(VLM(str(root / "merged")))
+    # A new LoRA on it, exported unmerged, names the hub repo as its base (not a local path).
+    lora = VLM("me/lora", lora=LORA, model_kwargs=where)
+    lora.save_pretrained(tmp_path / "second", merge_lora=False)
+    config = json.loads((tmp_path / "second" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "me/lora"
+
+
+def test_an_unmerged_export_names_its_local_base_by_absolute_path(tiny_path, tmp_path, monkeypatch):
+    # "model.model_name_or_path=sft_model" then merge_lora=false: a relative base would be read against
+    # whatever folder the adapter is later loaded from (or taken for a hub id).
+    monkeypatch.chdir(Path(tiny_path()).parent)
+    vlm = VLM(Path(tiny_path()).name, lora=LORA)
+    vlm.save_pretrained(tmp_path / "adapter", merge_lora=False)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(Path(tiny_path()).resolve())

@@ -71,8 +71,12 @@ def check_model_source(
     from huggingface_hub import try_to_load_from_cache
     from huggingface_hub.constants import HF_HUB_CACHE
 
-    cached = try_to_load_from_cache(str(name_or_path), "config.json", cache_dir=cache_dir, revision=revision)
-    if not isinstance(cached, str):
+    # A model repo has a config.json; an adapter repo (an unmerged export pushed) an adapter_config.json.
+    cached = [
+        try_to_load_from_cache(str(name_or_path), name, cache_dir=cache_dir, revision=revision)
+        for name in ("config.json", "adapter_config.json")
+    ]
+    if not any(isinstance(c, str) for c in cached):
         raise FileNotFoundError(
             f"{setting}={name_or_path!r} is no local folder, and as a hub id it cannot be fetched offline "
             f"(HF_HUB_OFFLINE=1): it is not in the hub cache ({cache_dir or HF_HUB_CACHE}). Download it "

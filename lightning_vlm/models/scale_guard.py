@@ -55,17 +55,19 @@ def check_model_scale(
     ``model_kwargs``' ``cache_dir`` and ``revision`` say where its config is, as for the model itself."""
     if scale_name != "tiny":
         return
-    # An adapter folder (an export with merge_lora=false) holds no model config: its base model's is it.
-    model_name_or_path = adapter_chain(model_name_or_path)[0]
+    # An adapter folder or repo (an export with merge_lora=false) holds no model config: its base's is it,
+    # at the revision its adapter config names (none: the default), not the adapter's.
+    where = hub_location(model_kwargs)
+    model_name_or_path, adapters = adapter_chain(model_name_or_path, **where)
+    if adapters:
+        where.pop("revision", None)
     if _in_tiny_cache(model_name_or_path):
         return
     from transformers import AutoConfig
 
     choices = ", ".join(f"model={v}" for v in sorted(set(FAMILY_CONFIGS.values())))
     try:
-        config = AutoConfig.from_pretrained(
-            model_name_or_path, trust_remote_code=trust_remote_code, **hub_location(model_kwargs)
-        )
+        config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code, **where)
     except (OSError, ValueError) as err:
         raise ValueError(
             f"model.model_name_or_path={model_name_or_path!r} is used with the tiny models' settings "

@@ -6,6 +6,7 @@ import copy
 import os
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from PIL import Image
@@ -65,17 +66,25 @@ class VLM(torch.nn.Module):
         self.generation_prompt = generation_prompt(self.processor)
         # An adapter folder loads as its base model with the adapter merged in; vLLM, which needs a full
         # model on disk, loads that base, and the first weight sync brings the merged weights.
-        self.full_model_path, adapters = adapter_chain(model_name_or_path)
+        self.full_model_path, adapters = adapter_chain(model_name_or_path, **where)
+        base_kwargs = dict(model_kwargs or {})
         if adapters:
-            check_model_source(self.full_model_path, f"base_model_name_or_path in {adapters[0]}", **where)
+            # model.model_kwargs' revision is the adapter repo's; its base is named without one.
+            base_kwargs.pop("revision", None)
+            check_model_source(self.full_model_path, f"base_model_name_or_path in {adapters[0]}",
+                               **hub_location(base_kwargs))  # fmt: skip
         model = AutoModelForImageTextToText.from_pretrained(
             self.full_model_path,
             dtype=_dtype(dtype),
             attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
-            **(model_kwargs or {}),
+            **base_kwargs,
         )
-        model = merge_adapters(model, adapters)
+        model = merge_adapters(model, adapters, **where)
+        if not adapters and Path(self.full_model_path).is_dir():
+            # An unmerged export names this as its base: by absolute path, not as typed ("sft_model"),
+            # which a later load would read against its own folder or take for a hub id.
+            model.name_or_path = str(Path(self.full_model_path).resolve())
         self.model_type: str = model.config.model_type
         # Refuse an unregistered family here, before any batch is sliced by a guessed layout.
         self.family = family_of(model.config)
