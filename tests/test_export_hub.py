@@ -75,6 +75,10 @@ def test_push_settings_are_checked_when_built(tmp_path):
         ExportHFModel(str(tmp_path), push_to_hub=True)
     with pytest.raises(ValueError, match="dry_run"):
         ExportHFModel(str(tmp_path), push_to_hub="yes")
+    # Hydra reads push_to_hub=1 as an integer: equal to True, yet no `is True` check would see it.
+    for value in (1, 0, 1.0):
+        with pytest.raises(ValueError, match=f"push_to_hub must be false, true or 'dry_run', got {value}"):
+            ExportHFModel(str(tmp_path), push_to_hub=value)
 
 
 def test_a_hub_base_model_goes_into_the_card_metadata():

@@ -55,7 +55,8 @@ class ExportHFModel(L.Callback):
         config_path: str | None = None,
         max_shard_size: int | str | None = None,
     ) -> None:
-        if push_to_hub not in (False, True, DRY_RUN):
+        # isinstance, not `in`: 1 == True, and push_to_hub=1 would pass here to skip every later `is True`.
+        if not (isinstance(push_to_hub, bool) or push_to_hub == DRY_RUN):
             raise ValueError(f"push_to_hub must be false, true or {DRY_RUN!r}, got {push_to_hub!r}")
         if push_to_hub is True and not hub_model_id:
             raise ValueError("push_to_hub=true needs hub_model_id=<user or org>/<name>")
