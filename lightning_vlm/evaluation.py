@@ -46,6 +46,44 @@ class RowCounter(L.Callback):
         return int(trainer.strategy.reduce(count, reduce_op="sum").item())
 
 
+# What makes data.train the same data: then the checkpoint's held-out rows can be compared with eval's.
+_SOURCE_KEYS = ("train", "split", "synthetic", "column_map", "max_samples")
+
+
+def check_held_out_rows(ckpt_path: str, data: Any) -> None:
+    """Refuse to score rows ``ckpt_path`` trained on: eval's ``data.val_fraction`` holds out a seeded sample of
+    ``data.train``; unless the checkpoint's run held out the same sample (same data, ``val_fraction`` and
+    seed), some of them were its training rows, and their scores would flatter it with no sign why."""
+    if not data.get("val_fraction") or not Path(ckpt_path).is_file():
+        return  # a remote checkpoint (s3://...) is not read twice for this
+    trained = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=True).get(
+        "datamodule_hyper_parameters"
+    )
+    if not trained or any(_plain(trained.get(k)) != _plain(data.get(k)) for k in _SOURCE_KEYS):
+        return  # other data (or a checkpoint without its data settings): nothing to compare
+    if not trained.get("val_fraction"):
+        raise ValueError(
+            f"data.val_fraction={data['val_fraction']} holds out rows of data.train={data['train']!r}, but "
+            f"the checkpoint {ckpt_path} trained on all of data.train (its data.val_fraction was "
+            f"{trained.get('val_fraction')}): every row eval would score was trained on. Give held-out rows "
+            "as data.val=<file or dataset> (and data.val_fraction=0)"
+        )
+    ours = {k: data.get(k) for k in ("val_fraction", "seed")}
+    theirs = {k: trained.get(k) for k in ("val_fraction", "seed")}
+    if ours != theirs:
+        raise ValueError(
+            f"data.val_fraction={ours['val_fraction']} with data.seed={ours['seed']} holds out other rows of "
+            f"data.train={data['train']!r} than the checkpoint trained without: the checkpoint trained with "
+            f"data.val_fraction={theirs['val_fraction']} and data.seed={theirs['seed']}, so some rows eval "
+            f"would score were trained on. Pass its settings (seed={theirs['seed']} sets data.seed, "
+            f"data.val_fraction={theirs['val_fraction']}), or give held-out rows as data.val"
+        )
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
 def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     """Scores ``cfg.ckpt_path`` (or ``cfg.model``'s weights) on the validation set; returns the report
     and where it was written (rank 0 writes it)."""
@@ -72,6 +110,8 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
                 type(module).__name__, cfg.model.model_name_or_path,
             )  # fmt: skip
 
+        if ckpt_path is not None:
+            check_held_out_rows(ckpt_path, datamodule.hparams)
         with restore_errors(ckpt_path, module):
             results = trainer.validate(
                 module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False

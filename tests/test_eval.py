@@ -229,3 +229,37 @@ def test_an_adapter_folder_evaluates_as_its_training_ended(tmp_path):
     assert (tmp_path / "hf" / "adapter_config.json").is_file()
     report = _evaluate([f"model.model_name_or_path={tmp_path / 'hf'}"], tmp_path / "eval")
     _assert_same(report["metrics"], _val(trained))
+
+
+def _with_data(ckpt: Path, out: Path, **data) -> Path:
+    """``ckpt`` as if trained with other data settings (what eval must compare its own with)."""
+    checkpoint = torch.load(ckpt, map_location="cpu", weights_only=False)
+    checkpoint["datamodule_hyper_parameters"].update(data)
+    torch.save(checkpoint, out)
+    return out
+
+
+def test_eval_refuses_to_hold_out_rows_the_checkpoint_trained_on(sft_run, tmp_path):
+    # Trained with seed=1 data.val_fraction=0.25 (a seed sweep's job), evaluated without seed=1: eval held
+    # out other rows of the same data, half of them rows the checkpoint trained on, and scored them.
+    trained = sft_run[0] / "ckpt" / "step2.ckpt"
+    synthetic = {
+        **torch.load(trained, weights_only=False)["datamodule_hyper_parameters"]["synthetic"],
+        "num_train": 40,
+    }
+    ckpt = _with_data(trained, tmp_path / "seed1.ckpt", seed=1, val_fraction=0.25, synthetic=synthetic)
+    held_out = ["data.val_fraction=0.25", "data.synthetic.num_train=40"]
+    with pytest.raises(
+        ValueError, match=r"data.seed=0.*the checkpoint trained with .*data.seed=1.*seed=1 sets data.seed"
+    ):
+        _evaluate([f"ckpt_path={ckpt}", *held_out], tmp_path / "a")
+    # A checkpoint that trained on every row of data.train has no held-out rows there at all.
+    full = _with_data(trained, tmp_path / "full.ckpt", val_fraction=0.0, synthetic=synthetic)
+    with pytest.raises(ValueError, match=r"data.val_fraction=0.25.*trained on all of data.train"):
+        _evaluate([f"ckpt_path={full}", *held_out], tmp_path / "b")
+    # The training run's own split scores (its seed holds out the rows it held out).
+    report = _evaluate([f"ckpt_path={ckpt}", *held_out, "seed=1"], tmp_path / "c")
+    assert report["num_rows"] == 10
+    # Other data (here a larger synthetic set) is not the checkpoint's: nothing to compare.
+    assert _evaluate([f"ckpt_path={ckpt}", "data.val_fraction=0.25", "data.synthetic.num_train=60"],
+                     tmp_path / "d")["num_rows"] == 15  # fmt: skip
