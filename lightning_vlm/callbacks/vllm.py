@@ -27,7 +27,7 @@ from lightning_vlm.generation.base import Generator
 from lightning_vlm.generation.engine_options import EngineOptions
 from lightning_vlm.generation.vllm_server import TRANSFERS, VLLMServerGenerator
 from lightning_vlm.generation.vllm_server_client import VLLMServerError
-from lightning_vlm.generation.weight_sync import check_tied_head
+from lightning_vlm.generation.weight_sync import check_syncable
 from lightning_vlm.methods.online import OnlineRL
 from lightning_vlm.parallel.fsdp import sharded_root, unit_state_chunks
 from lightning_vlm.parallel.steps import partitions_weights
@@ -131,7 +131,7 @@ class VLLMGeneration(L.Callback):
         from lightning_vlm.generation.vllm_server_client import VLLMServerClient
 
         if self.start_server:
-            check_tied_head(vlm)  # the generator checks too, but only once the server has started
+            check_syncable(vlm)  # the generator checks too, but only once the server has started
             started = None
             if trainer.is_global_zero:
                 started = self._launch(vlm.full_model_path, Path(trainer.default_root_dir))

@@ -78,7 +78,7 @@ class EngineOptions:
             options = cls()
         elif not isinstance(options, EngineOptions):
             values = dict(options)
-            values["extra"] = dict(values.get("extra") or {})
+            values["extra"] = _plain(values.get("extra") or {})  # nested too: compilation_config={...}
             for key in ("limit_mm_per_prompt", "mm_processor_kwargs"):
                 if values.get(key) is not None:
                     values[key] = _plain(values[key])

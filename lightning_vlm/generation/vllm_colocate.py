@@ -27,7 +27,8 @@ from lightning_vlm.generation.vllm_sampling import (
     sampling_kwargs,
 )
 from lightning_vlm.generation.weight_sync import (
-    check_tied_head,
+    BASE_REWRITING_INITS,
+    check_syncable,
     reset_vllm_caches,
     save_adapter,
     sync_colocated,
@@ -79,8 +80,16 @@ def adapter_engine_options(vlm: Any) -> dict[str, Any]:
             "or target the language model's layers only (target_modules=null)"
         )
     config = vlm.model.peft_config[vlm.model.active_adapter]
-    rank = 8  # vLLM accepts ranks 8, 16, 32, ...: the smallest that holds the adapter
-    while rank < int(config.r):
+    init = config.init_lora_weights
+    if isinstance(init, str) and init.lower().startswith(BASE_REWRITING_INITS):
+        # vLLM adds the adapter to the base weights on disk, but this init moved part of them into it.
+        raise ValueError(
+            f"weight_sync='adapter': model.lora.init_lora_weights={init!r} rewrites the base weights (W - BA), "
+            "and vLLM would add the adapter to the original ones from disk, counting its part twice; use "
+            "weight_sync='merged'"
+        )
+    rank = 8  # vLLM accepts ranks 8, 16, 32, ...: the smallest that holds the adapter's largest rank
+    while rank < max([int(config.r), *(config.rank_pattern or {}).values()]):
         rank *= 2
     return {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}
 
@@ -102,10 +111,10 @@ class VLLMColocateGenerator:
         engine: EngineOptions | Mapping[str, Any] | None = None,
         weight_sync: str = "merged",
     ) -> None:
-        check_tied_head(vlm)
-        engine = EngineOptions.build(engine).for_policy(vlm.processor_kwargs)
         if weight_sync not in WEIGHT_SYNCS:
             raise ValueError(f"weight_sync must be one of {WEIGHT_SYNCS}, got {weight_sync!r}")
+        check_syncable(vlm, merged=weight_sync == "merged")
+        engine = EngineOptions.build(engine).for_policy(vlm.processor_kwargs)
         self.vlm = vlm
         self.weight_sync = weight_sync
         if weight_sync == "adapter" and vlm.from_adapter_folder:

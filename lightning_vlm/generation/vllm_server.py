@@ -24,7 +24,7 @@ from lightning_vlm.generation.base import Rollouts, SamplingSettings
 from lightning_vlm.generation.vllm_sampling import build_rollouts, request_seeds, sampling_kwargs
 from lightning_vlm.generation.vllm_server_client import VLLMServerClient, VLLMServerError
 from lightning_vlm.generation.weight_sync import (
-    check_tied_head,
+    check_syncable,
     policy_weights,
     weights_to_bytes,
     write_weights,
@@ -91,7 +91,7 @@ class VLLMServerGenerator:
     ) -> None:  # fmt: skip
         if transfer not in TRANSFERS:
             raise ValueError(f"transfer must be one of {TRANSFERS}, got {transfer!r}")
-        check_tied_head(vlm)
+        check_syncable(vlm)  # the server takes the merged weights
         self.vlm = vlm
         self.client = client
         self.transfer = transfer

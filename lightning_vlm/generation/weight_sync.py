@@ -104,6 +104,46 @@ def check_tied_head(vlm: Any) -> None:
         )
 
 
+# PEFT inits that rewrite the base weight (W - BA): only the merged sync carries that rewrite to vLLM.
+BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq")
+
+
+def check_syncable(vlm: Any, merged: bool = True) -> None:
+    """Refuse, before any engine starts, a policy vLLM would hold other weights of than those trained:
+    a head trained apart from tied embeddings (``check_tied_head``), and for the merged sync (``merged``)
+    LoRA parts a merge into vLLM's model cannot express. Each would leave vLLM sampling another policy,
+    silently, or fail at the first sync."""
+    check_tied_head(vlm)
+    if not merged or not vlm.is_lora:
+        return
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.trainable_tokens import TrainableTokensLayer
+
+    for name, module in vlm.model.named_modules():
+        if isinstance(module, TrainableTokensLayer):
+            raise ValueError(
+                f"vLLM generation: model.lora.trainable_token_indices trains rows of {clean_name(name)!r}, which "
+                "the weight sync does not merge into vLLM's embeddings; drop it, or generate with generation=hf"
+            )
+        if not isinstance(module, LoraLayer):
+            continue
+        if getattr(module, "lora_magnitude_vector", None):
+            raise ValueError(
+                f"vLLM generation: {clean_name(name)!r} is a DoRA layer (model.lora.use_dora), which the weight "
+                "sync does not merge; use plain LoRA, or generate with generation=hf"
+            )
+        if (
+            any(module.lora_bias.get(a) for a in module.active_adapters)
+            and module.get_base_layer().bias is None
+        ):
+            # vLLM's layer has no bias parameter to take it (PEFT refuses this merge too).
+            raise ValueError(
+                f"vLLM generation: model.lora.lora_bias trains a bias for {clean_name(name)!r}, whose layer has "
+                "none in vLLM's model; drop lora_bias, target only layers with a bias, or generate with "
+                "generation=hf"
+            )
+
+
 def policy_weights(
     vlm: Any, chunks: Iterable[dict[str, torch.Tensor]] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
