@@ -50,3 +50,16 @@ def test_nested_engine_extras_reach_vllm_as_plain_dicts():
     extra = EngineOptions.build(node).extra
     assert extra == {"compilation_config": {"cudagraph_mode": "PIECEWISE"}}
     assert type(extra["compilation_config"]) is dict  # vLLM's pydantic config refused a DictConfig
+
+
+def test_a_row_with_more_images_than_the_engine_takes_names_the_setting():
+    from PIL import Image
+
+    from lightning_vlm.generation.vllm_engine import check_image_counts
+
+    rows = [{"images": []}, {"images": [Image.new("RGB", (8, 8))] * 5}]
+    with pytest.raises(
+        ValueError, match=r"row 1 .* 5 images.*at most 4.*engine.limit_mm_per_prompt=\{image:5"
+    ):
+        check_image_counts(rows, EngineOptions())
+    check_image_counts(rows, EngineOptions.build(OmegaConf.create({"limit_mm_per_prompt": {"image": 5}})))

@@ -15,6 +15,7 @@ from typing import Any
 from lightning_vlm.generation.base import Rollouts, SamplingSettings
 from lightning_vlm.generation.engine_options import EngineOptions
 from lightning_vlm.generation.vllm_engine import (
+    check_image_counts,
     has_cuda,
     keep_training_process_group,
     make_vllm_engine,
@@ -177,6 +178,7 @@ class VLLMColocateGenerator:
         # Templated text with one placeholder per image + PIL images: vLLM expands them itself. The text
         # holds the template's special tokens already: tokenized as training does, without adding more
         # (a tokenizer that adds BOS, real Gemma 3's, would otherwise start the prompt with two).
+        check_image_counts(rows, self.engine)
         requests = [vllm_inputs(vlm.processor, r["prompt"], r.get("images", [])) for r in rows]
         outputs = self.llm.generate(
             requests, params, use_tqdm=False, lora_request=self._adapter,

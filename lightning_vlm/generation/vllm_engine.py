@@ -32,6 +32,21 @@ _COLOCATED_CPU_ENV = {**CPU_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 IMAGES_ONLY = {"image": 4, "video": 0}
 
 
+def check_image_counts(rows: list[dict], engine: EngineOptions) -> None:
+    """Refuse, naming the setting, a row with more images than the engine takes a prompt (vLLM's own error
+    names its command-line flag, not the config key that sets it here)."""
+    limit = dict(IMAGES_ONLY if engine.limit_mm_per_prompt is None else engine.limit_mm_per_prompt)
+    limit = limit.get("image", 1)
+    for i, row in enumerate(rows):
+        count = len(row.get("images") or [])
+        if count > limit:
+            raise ValueError(
+                f"row {i} of this generation batch has {count} images, and the vLLM engine takes at most "
+                f"{limit} a prompt: raise it with 'callbacks.vllm_generation.engine.limit_mm_per_prompt="
+                f"{{image:{count},video:0}}' (the engine reserves memory for that many at start-up)"
+            )
+
+
 def cpu_dtype(dtype: str, model_path: str | os.PathLike | None = None) -> str:
     """``auto`` means float32 on CPU (bfloat16/float16 kernels are slow or missing there), unless the
     model's family has no float32 CPU kernels (``Family.vllm_cpu_dtype``, e.g. Qwen3.5's DeltaNet)."""
