@@ -37,15 +37,23 @@ def checkpoint_to_load(ckpt_path: str | None, trainer: L.Trainer, resuming: bool
         return None
     if str(ckpt_path) in LIGHTNING_KEYWORDS:
         return _keyword(str(ckpt_path), trainer, resuming)
+    check_ckpt_path(ckpt_path)
+    return _loadable(Path(ckpt_path), str(ckpt_path), trainer)
+
+
+def check_ckpt_path(ckpt_path: str | None) -> None:
+    """What can be said of ``ckpt_path`` before anything is built (``settings_check``): a URL, or no such
+    file. A typo would otherwise be found after the model loaded (minutes for a large one) and a W&B run
+    started."""
+    if not ckpt_path or str(ckpt_path) in LIGHTNING_KEYWORDS:
+        return
     if "://" in str(ckpt_path):
         raise ValueError(
             f"ckpt_path={ckpt_path!r} is a URL: train.py and eval.py load local files only (with "
             "weights_only=True). Download the checkpoint and pass its path."
         )
-    path = Path(ckpt_path)
-    if not path.exists():
+    if not Path(ckpt_path).exists():
         raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such file or folder")
-    return _loadable(path, str(ckpt_path), trainer)
 
 
 def _loadable(path: Path, given: str, trainer: L.Trainer) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from lightning_vlm.ckpt_path import check_ckpt_path
 from lightning_vlm.methods.dynamic_sampling import DynamicSampling
 from lightning_vlm.models.model_source import check_model_source
 
@@ -49,6 +50,7 @@ def check_settings(cfg: DictConfig) -> None:
         # Local folders only: whether a hub id can be fetched is said by the scale guard (tiny settings)
         # or by the VLM itself, which also knows the cache folder and revision.
         check_model_source(str(model.model_name_or_path), hub=False)
+    check_ckpt_path(cfg.get("ckpt_path"))
     optimizer = method.get("optimizer") or {}
     lr = optimizer.get("lr")
     if _number(lr) and lr < 0:
@@ -57,6 +59,7 @@ def check_settings(cfg: DictConfig) -> None:
         _check_online(method, data)
         _check_online_trainer(trainer, method, data)
         _check_vllm_correction(method, cfg.get("callbacks") or {})
+        _check_vllm_temperature(method, cfg.get("callbacks") or {})
 
 
 def _check_trainer(trainer: Any, online: bool) -> None:
@@ -146,7 +149,7 @@ def _check_online(method: Any, data: Any) -> None:
 def _check_online_trainer(trainer: Any, method: Any, data: Any) -> None:
     """Trainer settings an online method's own optimisation loop cannot honour (Lightning or DeepSpeed
     would refuse them only once training starts)."""
-    if trainer.get("gradient_clip_val") is not None:
+    if trainer.get("gradient_clip_val"):  # 0 is Lightning's "no clipping", which it accepts here too
         raise ValueError(
             f"trainer.gradient_clip_val={trainer.get('gradient_clip_val')}: online methods step the optimizer "
             "themselves, and Lightning clips only automatic optimisation; set method.max_grad_norm instead "
@@ -224,6 +227,17 @@ def _check_vllm_correction(method: Any, callbacks: Any) -> None:
             "token's ratio is below 1: a sequence-level correction masks long answers, and the off-policy "
             "mask drops every negative sample. Set top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, "
             "or turn the setting off"
+        )
+
+
+def _check_vllm_temperature(method: Any, callbacks: Any) -> None:
+    """vLLM samples at no temperature below 0.01 (it raises lower ones to 0.01), while the trainer's
+    log-probs divide by the one set: the ratios and the loss would describe another distribution."""
+    temperature = (method.get("sampling") or {}).get("temperature", 1.0)
+    if callbacks.get("vllm_generation") and _number(temperature) and 0 < temperature < 0.01:
+        raise ValueError(
+            f"method.sampling.temperature={temperature} with generation by vLLM, which samples at 0.01 for any "
+            "temperature below it, while the trainer's log-probs divide by the one set; use a temperature >= 0.01"
         )
 
 

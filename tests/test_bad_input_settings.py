@@ -131,6 +131,9 @@ TRAIN_CASES = [
     (["method=grpo", "generation=vllm_colocate", "method.sampling.top_k=20",
       "method.vllm_importance_sampling_correction=false", "method.off_policy_mask_threshold=0.5"], ValueError,
      r"top_k=20 with generation by vLLM and method\.off_policy_mask_threshold=0\.5", NEW),
+    # vLLM samples at 0.01 below it; the trainer's log-probs would divide by the temperature set
+    (["method=grpo", "generation=vllm_colocate", "method.sampling.temperature=0.005"], ValueError,
+     r"temperature=0\.005 with generation by vLLM, which samples at 0\.01", NEW),
 ]  # fmt: skip
 
 
@@ -174,6 +177,19 @@ def test_settings_an_online_loop_can_honour_are_accepted(tmp_path):
             [*SMALL, "method=grpo", "trainer=deepspeed_zero2", f"method.micro_batch_size={micro}"], tmp_path
         ))  # fmt: skip
     check_settings(compose_train([*SMALL, "method=grpo", "method.max_grad_norm=0.5"], tmp_path))
+    # 0 is Lightning's "no clipping", which manual optimisation accepts
+    check_settings(compose_train([*SMALL, "method=grpo", "trainer.gradient_clip_val=0"], tmp_path))
+    check_settings(
+        compose_train([*SMALL, "method=grpo", "method.sampling.temperature=0.005"], tmp_path)
+    )  # HF
+
+
+def test_a_missing_checkpoint_is_named_before_anything_is_built(tmp_path):
+    # Found after the model loaded and the W&B run started, it cost minutes for a large model.
+    with pytest.raises(FileNotFoundError, match=r"ckpt_path='/no/such/last.ckpt': no such file"):
+        check_settings(compose_train([*SMALL, "ckpt_path=/no/such/last.ckpt"], tmp_path))
+    with pytest.raises(ValueError, match=r"ckpt_path='s3://b/last.ckpt' is a URL"):
+        check_settings(compose_train([*SMALL, "ckpt_path=s3://b/last.ckpt"], tmp_path))
 
 
 def test_dynamic_sampling_steps_need_to_split_one_round_not_the_whole_pool(tmp_path):
