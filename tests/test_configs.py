@@ -163,3 +163,14 @@ def test_processes_of_one_launch_name_one_run_folder(environ, expected, monkeypa
         monkeypatch.setenv(key, value)
     stamp = OmegaConf.create({"dir": "${run_stamp:%Y-%m-%d_%H-%M-%S}"}).dir
     assert stamp == expected if expected else stamp[:4].isdigit() and len(stamp) == 19
+
+
+def test_machine_settings_in_conf_local_override_the_config(tmp_path):
+    # conf/local/default.yaml (git-ignored) as README says to write it: its keys at the top level. Without
+    # the group's _global_ package they landed under `local.` and nothing read them.
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "default.yaml").write_text(
+        "trainer:\n  devices: 4\npaths:\n  log_dir: /mnt/big/logs\n"
+    )
+    cfg = compose_train([f"hydra.searchpath=[file://{tmp_path}]"], tmp_path)
+    assert cfg.trainer.devices == 4 and cfg.paths.log_dir == "/mnt/big/logs" and "local" not in cfg
