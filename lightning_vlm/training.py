@@ -129,9 +129,15 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     # read from ckpt_path first, so the run continues instead of starting a second one. "last" is read
     # from the file the fit will load (a requeued job's).
     ckpt = cfg.get("ckpt_path")
-    loggers = instantiate_loggers(
-        cfg.get("logger"), wandb_run_id(last_checkpoint(callbacks) if ckpt == "last" else ckpt)
-    )
+    run_id = wandb_run_id(last_checkpoint(callbacks) if ckpt == "last" else ckpt)
+    if run_id and ckpt != "last" and _multirun():
+        # Every job of a sweep from one checkpoint would continue its run: their logs merged into one,
+        # each job's steps dropped where another's were logged. ckpt_path=last is each job's own resume.
+        log.info(
+            "A sweep's job starts its own W&B run; it does not continue %s, the run of ckpt_path", run_id
+        )
+        run_id = None
+    loggers = instantiate_loggers(cfg.get("logger"), run_id)
     # From here the W&B run has started: whatever fails ends it, or the next job of a sweep would log
     # into it.
     loggers = start_runs(loggers)
@@ -205,10 +211,7 @@ def check_launch(trainer: L.Trainer) -> None:
     child would run the whole sweep again. Under torchrun or SLURM the processes exist already, each
     runs the same jobs in the same order, and the sweep works.
     """
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+    if not _multirun():
         return
     environment = getattr(trainer.strategy, "cluster_environment", None)
     if trainer.world_size > 1 and environment is not None and not environment.creates_processes_externally:
@@ -219,6 +222,14 @@ def check_launch(trainer: L.Trainer) -> None:
             f"`torchrun --nproc_per_node={trainer.num_devices} train.py -m ...`, or run the jobs one by one "
             "without -m."
         )
+
+
+def _multirun() -> bool:
+    """Whether this job is one of a Hydra sweep's (``-m``)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 @contextmanager

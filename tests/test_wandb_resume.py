@@ -138,3 +138,30 @@ def test_the_run_id_is_read_only_from_local_checkpoints_that_load(tmp_path):
         assert wandb_run_id(tmp_path / path) is None
     assert wandb_run_id(None) is None and wandb_run_id("https://example.com/last.ckpt") is None
     assert wandb_run_id("last") is None  # Lightning's keyword, resolved by the fit itself
+
+
+def test_sweep_jobs_from_one_checkpoint_start_their_own_wandb_runs(tmp_path, monkeypatch):
+    # `train.py -m ckpt_path=<run>/last.ckpt method.optimizer.lr=1e-4,1e-5`: each job continued the
+    # checkpoint's run, so their logs merged into one and a later job's steps were dropped.
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf, open_dict
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    _, first = train(compose_train([*FAST, "trainer.max_steps=2"], tmp_path / "a"))
+    run_id = first["trainer"].logger.version
+    last = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    cfg = compose_train([*FAST, "trainer.max_steps=3", f"ckpt_path={last}"], tmp_path / "b")
+    OmegaConf.set_readonly(cfg.hydra, False)
+    with open_dict(cfg):
+        cfg.hydra.mode = RunMode.MULTIRUN
+    HydraConfig.instance().set_config(cfg)
+    try:
+        _, job = train(cfg)
+    finally:  # the next test's config is no sweep's
+        OmegaConf.set_readonly(cfg.hydra, False)
+        with open_dict(cfg):
+            cfg.hydra.mode = RunMode.RUN
+        HydraConfig.instance().set_config(cfg)
+    assert job["trainer"].global_step == 3 and job["trainer"].logger.version != run_id
