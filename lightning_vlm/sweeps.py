@@ -45,11 +45,14 @@ def best_per_metric(jobs: list[dict[str, Any]]) -> dict[str, dict[str, Any] | No
 def sweep_mode(config: DictConfig) -> str:
     """The direction the sweep optimises ``optimized_metric`` in: the sweeper's own (Optuna's
     ``direction``: minimize / maximize) where it has one, so the summary agrees with the sweeper's
-    best trial; else ``monitor_mode`` (the checkpoints' direction)."""
+    best trial; else ``optimized_mode`` (``monitor_mode`` unless set: the checkpoints' direction)."""
     direction = OmegaConf.select(config, "hydra.sweeper.direction", default=None)
     if isinstance(direction, str) and direction.lower() in ("minimize", "maximize"):
         return "min" if direction.lower() == "minimize" else "max"
-    return config.get("monitor_mode", "max")
+    mode = config.get("optimized_mode", config.get("monitor_mode", "max"))
+    if mode not in ("max", "min"):
+        raise ValueError(f"optimized_mode must be max or min, got {mode!r}")
+    return mode
 
 
 class SweepSummary(Callback):

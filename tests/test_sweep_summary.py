@@ -53,3 +53,32 @@ def test_the_sweepers_direction_ranks_the_trials(tmp_path):
             )
         written = json.loads((folder / "summary.json").read_text())
         assert written["mode"] == direction[:3] and written["best"]["value"] == best
+
+
+def test_the_basic_sweeper_ranks_by_optimized_mode(tmp_path):
+    # The basic sweeper has no direction: the summary took monitor_mode (max), naming the highest loss best;
+    # monitor_mode=min would also flip the best checkpoint's direction.
+    from hydra.core.utils import JobReturn, JobStatus
+    from omegaconf import OmegaConf
+
+    from helpers import compose_train
+    from lightning_vlm.sweeps import SweepSummary
+
+    overrides = [
+        "optimized_metric=val/loss",
+        "optimized_mode=min",
+        "hydra.mode=MULTIRUN",
+        f"hydra.sweep.dir={tmp_path}",
+    ]
+    cfg = compose_train(overrides)
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg))
+    assert cfg.monitor_mode == "max"  # the checkpoints still keep the best answer accuracy
+    summary = SweepSummary()
+    summary.on_multirun_start(cfg)
+    for num, loss in enumerate([2.0, 0.5]):
+        cfg.hydra.job.num, cfg.hydra.runtime.output_dir = num, str(tmp_path / str(num))
+        summary.on_job_end(
+            cfg, JobReturn(overrides=[f"t={num}"], status=JobStatus.COMPLETED, _return_value=loss)
+        )
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert written["mode"] == "min" and written["best"]["value"] == 0.5
