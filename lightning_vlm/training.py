@@ -20,6 +20,7 @@ from lightning_vlm.callbacks.export import publish_after_fit
 from lightning_vlm.callbacks.resume import BatchCountAfterResume, NextEpochAfterRestart
 from lightning_vlm.callbacks.rng_states import RngStates
 from lightning_vlm.callbacks.run_report import finish_reports
+from lightning_vlm.callbacks.validated_step import ValidatedStep, validated_final_step
 from lightning_vlm.ckpt_path import checkpoint_to_load, last_checkpoint, restore_errors
 from lightning_vlm.loggers import WandbRunId, builds_wandb, ending_runs, start_runs, wandb_run_id
 from lightning_vlm.models.scale_guard import check_model_scale
@@ -79,7 +80,8 @@ def resume_callbacks(loggers: list[Any]) -> list[L.Callback]:
     from lightning.pytorch.loggers import WandbLogger
 
     wandb = any(isinstance(lg, WandbLogger) for lg in loggers)
-    return [NextEpochAfterRestart(), BatchCountAfterResume(), RngStates(), *([WandbRunId()] if wandb else [])]
+    return [NextEpochAfterRestart(), BatchCountAfterResume(), RngStates(), ValidatedStep(),
+            *([WandbRunId()] if wandb else [])]  # fmt: skip
 
 
 def drop_refused(callbacks: list[Any], trainer_cfg: DictConfig, has_logger: bool) -> list[Any]:
@@ -187,10 +189,14 @@ def _fit(
             log.info("Metrics before training (%s): %s", ckpt_path or "initial weights", initial)
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     wanted = cfg.get("optimized_metric")
-    if wanted and wanted not in trainer.callback_metrics and trainer.limit_val_batches != 0:
-        # The run ended before its first validation (e.g. trainer.max_steps below val_check_interval):
-        # validate the final weights once, so a short run and a sweep still report their metric.
-        log.info("No validation ran during fit: validating the final weights once for %s", wanted)
+    stale = wanted in trainer.callback_metrics and not validated_final_step(trainer)
+    if wanted and (wanted not in trainer.callback_metrics or stale) and trainer.limit_val_batches != 0:
+        # The run ended before its first validation (e.g. trainer.max_steps below val_check_interval), or
+        # after its last one (max_steps=3, val_check_interval=2): validate the final weights once, so a
+        # short run and a sweep report their metric, and the model card the exported weights'.
+        log.info(
+            "No validation ran at the last step of fit: validating the final weights once for %s", wanted
+        )
         with sigterm_exits(trainer):
             trainer.validate(module, datamodule=datamodule, verbose=False)
             _raise_on_sigterm(trainer)

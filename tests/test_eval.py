@@ -263,3 +263,21 @@ def test_eval_refuses_to_hold_out_rows_the_checkpoint_trained_on(sft_run, tmp_pa
     # Other data (here a larger synthetic set) is not the checkpoint's: nothing to compare.
     assert _evaluate([f"ckpt_path={ckpt}", "data.val_fraction=0.25", "data.synthetic.num_train=60"],
                      tmp_path / "d")["num_rows"] == 15  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        ["trainer.max_steps=3", "trainer.val_check_interval=2"],
+        ["trainer.max_steps=1", "validate_before_fit=true"],
+    ],
+    ids=["validated-before-the-last-step", "validated-only-before-fit"],
+)
+def test_the_final_metrics_are_those_of_the_final_weights(schedule, tmp_path):
+    # Validated at step 2 of 3 (or only before training): the metric train() hands a sweeper and the
+    # exported model card were those of older weights than the folder exported.
+    overrides = [*COMMON, *schedule, "+callbacks.export._target_=lightning_vlm.callbacks.export.ExportHFModel",
+                 f"+callbacks.export.dirpath={tmp_path / 'hf'}"]  # fmt: skip
+    metrics, _ = train(compose_train(overrides, tmp_path / "run"))
+    exported = _evaluate([f"model.model_name_or_path={tmp_path / 'hf'}"], tmp_path / "eval")
+    _assert_same(_val(metrics), exported["metrics"])
