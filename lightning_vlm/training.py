@@ -16,10 +16,11 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_vlm.config  # noqa: F401  (registers the ${tiny_vlm:...} and ${run_stamp:...} resolvers)
+from lightning_vlm.callbacks.completions import LogCompletions
 from lightning_vlm.callbacks.export import publish_after_fit
 from lightning_vlm.callbacks.resume import BatchCountAfterResume, NextEpochAfterRestart
 from lightning_vlm.callbacks.rng_states import RngStates
-from lightning_vlm.callbacks.run_report import finish_reports
+from lightning_vlm.callbacks.run_report import RunReport, finish_reports
 from lightning_vlm.callbacks.validated_step import ValidatedStep, validated_final_step
 from lightning_vlm.ckpt_path import checkpoint_to_load, last_checkpoint, restore_errors
 from lightning_vlm.loggers import WandbRunId, builds_wandb, ending_runs, start_runs, wandb_run_id
@@ -177,13 +178,17 @@ def _fit(
             # below restores the checkpoint again (weights, optimizer, loops), so the resume is unchanged.
             # Lightning's validate restores weights but not the step: a resumed run's loggers would get the
             # checkpoint's scores at step 0, behind the steps they already hold (wandb drops them).
+            # The callbacks that record by step (curves, completions) would draw them there too.
             loggers, trainer.loggers = trainer.loggers, [] if ckpt_path else trainer.loggers
+            callbacks = trainer.callbacks
+            if ckpt_path:
+                trainer.callbacks = [c for c in callbacks if not isinstance(c, RunReport | LogCompletions)]
             try:
                 results = trainer.validate(
                     module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False
                 )
             finally:
-                trainer.loggers = loggers
+                trainer.loggers, trainer.callbacks = loggers, callbacks
             _raise_on_sigterm(trainer)
             initial = {k: float(v) for k, v in results[0].items()}
             log.info("Metrics before training (%s): %s", ckpt_path or "initial weights", initial)

@@ -111,3 +111,15 @@ def test_grpo_run_draws_its_reward_curve(tmp_path, tiny_path):
     assert {"train/reward", "val/reward", "val/rewards/accuracy_reward"} <= set(report.drawn["reward"])
     assert "val/answer_accuracy" in report.drawn["accuracy"]
     assert sorted(report.history["train/reward"]) == [1, 2, 3, 4]
+
+
+def test_a_resumed_run_keeps_every_validation_point_at_its_step(tmp_path):
+    # last.ckpt of the last step was written before that step's validation: a finished run resumed with a
+    # larger max_steps lost its final point for good. And a baseline validation of the checkpoint
+    # (validate_before_fit) was drawn at step 0, where the checkpoint's weights were not.
+    short = ["logger=none", "~callbacks.lr_monitor", *SHORT]
+    train(compose_train([*short, "trainer.max_steps=2"], tmp_path / "a"))
+    last = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    resumed = [*short, "trainer.max_steps=4", f"ckpt_path={last}", "validate_before_fit=true"]
+    _, out = train(compose_train(resumed, tmp_path / "b"))
+    assert sorted(_report(out["trainer"]).history["val/loss"]) == [2, 4]

@@ -107,11 +107,13 @@ class LastCheckpoint(ModelCheckpoint):
         last_step = 0 < trainer.max_steps <= step
         if self._hold_stop(trainer):
             return
-        if due and not (last_step or _stopping(trainer)) and _validates_next(trainer):
+        if (due or last_step) and not _stopping(trainer) and _validates_next(trainer):
             # Written here, before the validation that follows this batch, Lightning would read it as
             # "validation done" and skip that validation on resume: a crash during it lost it (and the
-            # best checkpoint of that step). Written once it ran instead (on_validation_end). SIGTERM
-            # during it still saves at once (on_exception): no step lost, that validation skipped.
+            # best checkpoint of that step), and a finished run resumed with a larger max_steps its last
+            # step's point of the curves. Written once it ran instead (on_validation_end; at the last step
+            # on_train_end writes it if none ran). SIGTERM during it still saves at once (on_exception): no
+            # step lost, that validation skipped.
             self._after_validation = True
             return
         if due or last_step or _stopping(trainer):
