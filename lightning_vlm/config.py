@@ -76,12 +76,17 @@ def _config_groups(sources: Any) -> str:
 
 def register_resolvers() -> None:
     """Registers `${tiny_vlm:<family>[,random|<warm start>]}` (path of an offline tiny model, or of one of
-    its SFT warm starts, ``warm_start.WARM_STARTS``) and `${run_stamp:<strftime pattern>}` (the run
-    folder's name: :func:`launch_id`, else the time); safe to call twice."""
+    its SFT warm starts, ``warm_start.WARM_STARTS``), `${times:<value>,<factor>}` (their product) and
+    `${run_stamp:<strftime pattern>}` (the run folder's name: :func:`launch_id`, else the time); safe to
+    call twice."""
     if not OmegaConf.has_resolver("tiny_vlm"):
         OmegaConf.register_new_resolver("tiny_vlm", _tiny_vlm, use_cache=True)
     if not OmegaConf.has_resolver("config_groups"):
         OmegaConf.register_new_resolver("config_groups", _config_groups)
+    if not OmegaConf.has_resolver("times"):
+        # ${times:${scale.lr.online},0.5}: a setting relative to a size-dependent one, so an experiment tuned
+        # on the tiny models keeps its ratio on a hub model's scale instead of its tiny absolute value.
+        OmegaConf.register_new_resolver("times", lambda value, factor: float(value) * float(factor))
     if not OmegaConf.has_resolver("run_stamp"):
         # Cached like Hydra's ${now:}: the folder is named once per process.
         OmegaConf.register_new_resolver("run_stamp", _run_stamp, use_cache=True)

@@ -174,3 +174,12 @@ def test_machine_settings_in_conf_local_override_the_config(tmp_path):
     )
     cfg = compose_train([f"hydra.searchpath=[file://{tmp_path}]"], tmp_path)
     assert cfg.trainer.devices == 4 and cfg.paths.log_dir == "/mnt/big/logs" and "local" not in cfg
+
+
+@pytest.mark.parametrize("experiment", ["grpo_count", "grpo_grounding", "grpo_mixed"])
+def test_experiments_set_learning_rates_relative_to_the_models_scale(experiment, tmp_path):
+    # Tuned on the tiny models (2.5e-4), the absolute rate was 250x a 3B model's online default (1e-6).
+    tiny = compose_train([f"experiment={experiment}"], tmp_path)
+    hub = compose_train([f"experiment={experiment}", "model=qwen2_5_vl"], tmp_path)
+    assert tiny.method.optimizer.lr == pytest.approx(2.5e-4)
+    assert hub.method.optimizer.lr == pytest.approx(hub.scale.lr.online / 2) == pytest.approx(5e-7)
