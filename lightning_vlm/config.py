@@ -49,7 +49,14 @@ def launch_id(environ: Mapping[str, str] | None = None) -> str | None:
 
 
 def _run_stamp(pattern: str) -> str:
-    return launch_id() or datetime.now().strftime(pattern)
+    launch = launch_id()
+    if launch:
+        return launch
+    stamp = datetime.now().strftime(pattern)
+    # One process of a SLURM job (an array's task, each with its own job id): tasks starting in the same
+    # second would otherwise share one folder and overwrite each other's checkpoints and logs.
+    job = os.environ.get("SLURM_JOB_ID")
+    return f"{stamp}_slurm-{job}" if job else stamp
 
 
 # Groups composed by other configs, never chosen on the command line: left out of --help.
