@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_vlm.models.chat_render import answer_header, render, warn_unclosed
-from lightning_vlm.models.encoding import row_summary
+from lightning_vlm.models.encoding import assistant_char_spans, row_summary
 from lightning_vlm.models.image_tokens import repeat_samples
 from lightning_vlm.models.vision_cache import repeated_groups, with_image_groups
 
@@ -31,26 +30,17 @@ class PairBatch:
 
 
 def answer_ids(vlm, prompt: list[dict], answer: list[dict], where: str) -> list[int]:
-    """Token ids of ``answer`` (assistant messages) after ``prompt``'s generation prompt, up to end-of-turn."""
-    head = render(vlm.processor, prompt, add_generation_prompt=True)
-    full = render(vlm.processor, prompt + answer)
-    # A generation prompt's prefill that a finished turn lacks (Gemma 4 12B+): the answer follows it.
-    start = len(head) - len(answer_header(vlm.processor)[1])
-    if not full.startswith(head[:start]):
-        raise ValueError(
-            f"{where}: the chat template does not render the prompt as a prefix of prompt + answer, "
-            "so the answer tokens cannot be separated"
-        )
-    tail = full[start:]
-    # Keep everything up to the last end-of-turn (what generation stops at); drop template trailers. A
-    # template that closes no answer (LLaVA-1.5's) gets it appended, as SFT does: generation ends with it.
-    end = tail.rfind(vlm.end_of_turn)
-    if end >= 0:
-        tail = tail[: end + len(vlm.end_of_turn)]
-    else:
-        warn_unclosed(vlm.processor, vlm.end_of_turn)
-        tail = tail.rstrip() + vlm.end_of_turn  # right after the text, as SFT puts it
-    return vlm.tokenizer(tail, add_special_tokens=False)["input_ids"]
+    """Token ids of ``answer`` (assistant messages) after ``prompt``'s generation prompt, up to its end-of-turn:
+    the tokens greedy generation would have to produce. Located as SFT locates its trained turns
+    (``assistant_char_spans``), so a generation prompt's prefill (Gemma 4 12B+) and a template that closes
+    no answer (LLaVA-1.5's) are handled alike in both."""
+    try:
+        text, spans = assistant_char_spans(vlm.processor, prompt + answer, vlm.end_of_turn, len(prompt))
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from err
+    if not spans:
+        raise ValueError(f"{where}: the answer holds no assistant message")
+    return vlm.tokenizer(text[spans[0][0] : spans[-1][1]], add_special_tokens=False)["input_ids"]
 
 
 def encode_pairs(
