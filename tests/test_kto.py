@@ -297,3 +297,17 @@ def test_validation_means_are_over_the_rows_each_metric_describes(tiny_path):
         got["val/rewards/chosen"] - got["val/rewards/rejected"]
     )
     assert got["val/loss"] == pytest.approx((each[0]["loss"].item() + each[1]["loss"].item()) / 2, rel=1e-5)
+
+
+def test_a_batch_of_one_row_a_step_is_refused_before_training(tmp_path):
+    # data.batch_size=1 on one process (a large VLM's usual setup): every step's z0 was 0, with a warning
+    # each step. TRL refuses it; apo_zero_unpaired has no z0 and runs.
+    from helpers import compose_train
+    from lightning_vlm.training import train
+
+    small = ["method=kto", "data.batch_size=1", "trainer.max_steps=1", "logger=none", "callbacks=none",
+             "data.synthetic.num_train=4", "data.synthetic.num_val=2"]  # fmt: skip
+    with pytest.raises(ValueError, match=r"needs at least 2 rows a step .* data.batch_size=1 on 1 process"):
+        train(compose_train(small, tmp_path / "kto"))
+    _, out = train(compose_train([*small, "method.loss_type=apo_zero_unpaired"], tmp_path / "apo"))
+    assert out["trainer"].global_step == 1

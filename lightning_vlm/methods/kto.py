@@ -266,6 +266,16 @@ class KTO(FactoryOptimized):
     def on_fit_start(self) -> None:
         self.ref.to(self.device)
         self.check_weights(self.trainer.datamodule)
+        rows = getattr(self.trainer.datamodule, "hparams", {}).get("batch_size")
+        if self.hparams.loss_type == "kto" and isinstance(rows, int) and rows * self.trainer.world_size < 2:
+            # z0 is estimated from other rows' answers in the step's batch: one row has none, and every
+            # step would train with z0 = 0, a different loss (TRL refuses this too).
+            raise ValueError(
+                f"KTO's reference point z0 needs at least 2 rows a step over all processes, but data.batch_size="
+                f"{rows} on {self.trainer.world_size} process(es) gives {rows * self.trainer.world_size}: raise "
+                "data.batch_size (lower model memory with method.max_length or LoRA), or use "
+                "loss_type=apo_zero_unpaired, which has no z0"
+            )
 
     def check_weights(self, data: object) -> str | None:
         """Warns (rank 0) when the weights do not suit the training data's label balance; returns why."""
