@@ -44,7 +44,7 @@ from lightning_vlm.parallel.collectives import (
     world_size,
 )
 from lightning_vlm.parallel.fsdp import sharded_root
-from lightning_vlm.parallel.steps import RootCalls, root_forward
+from lightning_vlm.parallel.steps import RootCalls, partitions_weights, root_forward
 from lightning_vlm.settings_check import check_count
 
 
@@ -145,9 +145,12 @@ class DPO(RootCalls, FactoryOptimized):
             return self._compute_ref(batch)
         cache = self._cache()
         missing = bool(cache.missing(rows))
-        if self._trainer is not None and sharded_root(self.trainer.strategy.model) is not None:
-            # A sharded model's forward is a collective (LoRA's reference is the policy): every rank
-            # runs it, or none does, whichever rows each one still lacks.
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        if strategy is not None and (
+            sharded_root(strategy.model) is not None or partitions_weights(strategy)
+        ):
+            # A sharded model's forward (FSDP, ZeRO-3) is a collective (LoRA's reference is the policy):
+            # every rank runs it, or none does, whichever rows each one still lacks.
             missing = bool(all_reduce_sum(torch.tensor(float(missing), device=self.device)) > 0)
         if missing:  # lazily, e.g. validate_before_fit runs before on_fit_start's precompute
             if self.ref is None:
