@@ -22,6 +22,7 @@ from lightning_vlm.methods.common import (
     FactoryOptimized,
     greedy_answer_hits,
     message_text,
+    turn_off_dropout,
 )
 from lightning_vlm.methods.completions import CompletionRecorder, answer_samples
 from lightning_vlm.methods.preference_batch import encode_pairs, split_pairs
@@ -75,8 +76,11 @@ class DPO(RootCalls, FactoryOptimized):
         one_vision_pass: bool = True,
         max_length: int | None = None,
         val_max_new_tokens: int | None = None,
+        disable_dropout: bool = True,
     ) -> None:
-        """``val_max_new_tokens=None``: the longest chosen answer of the validation set + a margin."""
+        """``val_max_new_tokens=None``: the longest chosen answer of the validation set + a margin;
+        ``disable_dropout`` (TRL's, on by default there too): the policy's dropout off, see
+        ``methods.common.turn_off_dropout``."""
         super().__init__()
         check_setting(val_max_new_tokens)
         check_count("method.max_length", max_length, hint=" (tokens per sequence; null: no truncation)")
@@ -101,6 +105,8 @@ class DPO(RootCalls, FactoryOptimized):
         )  # fmt: skip
         self.metric_names = [*probe, "loss"]
         self.vlm = vlm
+        if disable_dropout:
+            turn_off_dropout(vlm)
         self.ref: ReferenceModel | None = ReferenceModel(vlm)
         self.generator = HFGenerator(vlm)
         self.bco_delta = RunningMean()  # BCO's δ: a buffer, so it is checkpointed

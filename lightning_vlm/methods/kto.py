@@ -35,6 +35,7 @@ from lightning_vlm.methods.common import (
     FactoryOptimized,
     greedy_answer_hits,
     message_text,
+    turn_off_dropout,
 )
 from lightning_vlm.methods.preference_batch import encode_pairs, split_pairs
 from lightning_vlm.methods.reference_cache import prompt_key
@@ -134,6 +135,7 @@ class KTO(FactoryOptimized):
         one_vision_pass: bool = True,
         max_length: int | None = None,
         val_max_new_tokens: int | None = None,
+        disable_dropout: bool = True,
     ) -> None:
         super().__init__()
         check_setting(val_max_new_tokens)
@@ -148,6 +150,8 @@ class KTO(FactoryOptimized):
         self.save_hyperparameters(ignore=["vlm", "optimizer", "scheduler"])
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.vlm = vlm
+        if disable_dropout:  # TRL's, on by default there too (methods.common.turn_off_dropout)
+            turn_off_dropout(vlm)
         self.ref = ReferenceModel(vlm)
         self.generator = HFGenerator(vlm)
         self.val_metrics = torch.nn.ModuleDict({n.replace("/", "__"): MeanMetric() for n in METRICS})

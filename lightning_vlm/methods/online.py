@@ -36,7 +36,12 @@ from torchmetrics import MeanMetric
 from lightning_vlm.generation.base import Generator, SamplingOptions, SamplingSettings, seeded
 from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.losses.importance import rollout_correction, split_trl_mode
-from lightning_vlm.methods.common import clip_gradients, configure_optimizers, greedy_answer_hits
+from lightning_vlm.methods.common import (
+    clip_gradients,
+    configure_optimizers,
+    greedy_answer_hits,
+    turn_off_dropout,
+)
 from lightning_vlm.methods.completions import CompletionRecorder, rollout_samples
 from lightning_vlm.methods.dynamic_sampling import DynamicSampling
 from lightning_vlm.methods.online_metrics import (
@@ -97,6 +102,7 @@ class OnlineRL(RootCalls, RolloutSampling):
         val_seed: int = 1234,
         seed: int | None = 0,
         dynamic_sampling: DynamicSampling | Mapping[str, Any] | None = None,
+        disable_dropout: bool = False,
     ) -> None:
         super().__init__()
         # Only plain values in hparams: checkpoints then load with torch.load(weights_only=True).
@@ -123,6 +129,9 @@ class OnlineRL(RootCalls, RolloutSampling):
         self.reward_model = reward_model
         # Replaceable by a callback (vLLM); HF generate samples from the training weights themselves.
         self.generator: Generator = HFGenerator(vlm)
+        # TRL's disable_dropout: off for GRPO and RLOO, on for Online DPO (methods.common.turn_off_dropout)
+        if disable_dropout:
+            turn_off_dropout(vlm)
         self.ref: ReferenceModel | None = ReferenceModel(vlm) if self.needs_reference else None
         self.val_reward, self.val_answer_accuracy = MeanMetric(), MeanMetric()
         self.val_rewards = torch.nn.ModuleDict({n: MeanMetric() for n in self.scorer.names})

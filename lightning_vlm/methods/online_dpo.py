@@ -58,6 +58,7 @@ class OnlineDPO(OnlineRL):
         missing_eos_penalty: float | None = None,
         num_candidates: int = 4,
         vllm_importance_sampling_correction: bool = False,
+        disable_dropout: bool = True,
         **online: Unpack[OnlineKwargs],
     ) -> None:
         if num_generations != 2:
@@ -83,7 +84,8 @@ class OnlineDPO(OnlineRL):
         if micro is not None and micro % 2:
             raise ValueError(f"micro_batch_size must be even so pairs stay together, got {micro}")
         super().__init__(vlm, optimizer, num_generations=num_generations, beta=beta,
-                         vllm_importance_sampling_correction=False, **online)  # fmt: skip
+                         vllm_importance_sampling_correction=False, disable_dropout=disable_dropout,
+                         **online)  # fmt: skip
 
     @property
     def needs_reference(self) -> bool:

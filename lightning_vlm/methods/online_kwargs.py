@@ -38,3 +38,4 @@ class OnlineKwargs(TypedDict, total=False):
     val_seed: int
     seed: int | None
     dynamic_sampling: DynamicSampling | Mapping[str, Any] | None
+    disable_dropout: bool
