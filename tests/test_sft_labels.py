@@ -202,3 +202,24 @@ def test_a_thinking_prefill_is_the_answers_own_start_not_inserted(vlms):
         row = normalize_row({"messages": [*prompt, *answer]}, "sft")
         assert labelled(vlm, row) == ["shape is red\n</think>\n\nred<|im_end|>"]
         assert vlm.tokenizer.decode(vlm.encode_sft([row])["input_ids"][0]).count("<think>") == 1
+
+
+def test_a_max_length_that_cuts_a_whole_answer_says_so(vlms, caplog):
+    # The prompt reaches max_length: the row kept its place in the batch and trained on nothing, silently.
+    import logging
+
+    from lightning_vlm.data.synthetic import synthetic_rows
+
+    vlm = vlms("qwen2_5_vl")
+    rows = synthetic_rows("sft", 2, seed=0)
+    full = vlm.encode_sft(rows)
+    first_labels = [int((labels != -100).nonzero()[0]) for labels in full["labels"]]
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm.models.encoding"):
+        cut = vlm.encode_sft(rows, max_length=min(first_labels))
+    assert (cut["labels"] == -100).all()
+    assert any("max_length=" in r.getMessage() and "2 rows" in r.getMessage() and "method.max_length"
+               in r.getMessage() for r in caplog.records)  # fmt: skip
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm.models.encoding"):
+        vlm.encode_sft(rows, max_length=max(first_labels) + 1)  # an answer token left in each: no warning
+    assert not caplog.records

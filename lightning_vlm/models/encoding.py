@@ -14,6 +14,7 @@ through the tokenizer's offsets. A token that straddles a turn's first character
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -27,6 +28,7 @@ from .image_tokens import NUM_IMAGES_KEY
 from .token_boundaries import TYPE_ID_KEYS, is_token_key, placeholder_shift, split_straddling
 
 IGNORE_INDEX = -100
+log = logging.getLogger(__name__)
 
 
 def assistant_char_spans(
@@ -179,7 +181,22 @@ def encode_sft(processor, config, rows: list[dict], end_of_turn: str, max_length
         except ValueError as err:
             b = int(str(err).split(":", 1)[0].removeprefix("sample "))
             raise ValueError(f"{err} (the row {row_summary(rows[b])})") from None
+        _warn_cut_answers(labels, batch["labels"], rows, max_length)
     return batch
+
+
+def _warn_cut_answers(before: torch.Tensor, after: torch.Tensor, rows: list[dict], max_length: int) -> None:
+    """Says when truncation left a row no answer token: it stays in the batch and trains on nothing."""
+    lost = [
+        b for b in range(len(rows)) if (before[b] != IGNORE_INDEX).any() and (after[b] == IGNORE_INDEX).all()
+    ]
+    if lost:
+        log.warning(
+            "max_length=%d cut every answer token of %d row%s of this batch (e.g. %s): %s on nothing. Raise "
+            "method.max_length, or shorten the prompts or images (model.processor_kwargs)",
+            max_length, len(lost), "s" if len(lost) > 1 else "", row_summary(rows[lost[0]]),
+            "they train" if len(lost) > 1 else "it trains",
+        )  # fmt: skip
 
 
 def _truncate_right(batch: dict, max_length: int, image_id: int) -> dict:
