@@ -353,3 +353,9 @@ def test_an_audio_tower_no_method_feeds_is_frozen(tiny_path, tmp_path):
             n for n, p in vlm.hf_model.named_parameters() if "audio" in n and p.requires_grad
         ]
     assert any(p.requires_grad for p in vlm.vision_tower.parameters())  # the tower itself still trains
+
+
+def test_gemma3_pan_and_scan_is_refused_naming_the_setting(tiny_path):
+    # Its crops give an image several pixel rows; the batch was refused later, blaming sliced tensors.
+    with pytest.raises(ValueError, match=r"model.processor_kwargs.do_pan_and_scan=true"):
+        VLM(tiny_path("gemma3"), processor_kwargs={"do_pan_and_scan": True})

@@ -7,6 +7,8 @@ the family records in ``families.py``; nothing here dispatches on ``model_type``
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers.models.llava_next.modeling_llava_next import (
     get_anyres_image_grid_shape,
@@ -43,6 +45,18 @@ def grid_tokens(inputs: dict, config) -> list[int]:
     """Qwen-VL: ``prod(image_grid_thw)`` patches merged ``spatial_merge_size``² to one token."""
     merge = config.vision_config.spatial_merge_size
     return (inputs["image_grid_thw"].prod(dim=-1) // merge**2).tolist()
+
+
+def check_one_row_per_image(processor: Any) -> None:
+    """Refuse Gemma 3's pan-and-scan: its crops give an image several pixel rows and image blocks, while
+    the image-token check and the vision cache count one per image (the batch would be refused later
+    with an error that blames sliced tensors)."""
+    image_processor = getattr(processor, "image_processor", None)
+    if getattr(image_processor, "do_pan_and_scan", False):
+        raise ValueError(
+            "model.processor_kwargs.do_pan_and_scan=true: Gemma 3's pan-and-scan crops are not supported (each "
+            "image must be one pixel row); set it to false and raise the image size instead"
+        )
 
 
 def gemma3_tokens(inputs: dict, config) -> list[int]:

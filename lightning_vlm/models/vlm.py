@@ -16,6 +16,7 @@ from . import encoding, vision_every_rank
 from .adapter_folder import adapter_chain, merge_adapters
 from .chat_render import generation_prompt
 from .families import family_of
+from .family_rules import check_one_row_per_image
 from .image_tokens import NUM_IMAGES_KEY, check_image_tokens
 from .logprobs import scatter_to_tokens, scored_positions, selective_logps, softcapped
 from .model_source import check_model_source, hub_location
@@ -61,6 +62,7 @@ class VLM(torch.nn.Module):
         self.processor = AutoProcessor.from_pretrained(
             model_name_or_path, trust_remote_code=trust_remote_code, **where, **(processor_kwargs or {})
         )
+        check_one_row_per_image(self.processor)
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         # Rewards get it (``generation_prompt``): a prefilled "<think>" is part of every completion's text.
         self.generation_prompt = generation_prompt(self.processor)
