@@ -55,7 +55,10 @@ def test_fsdp_settings_and_mixed_precision_of_hub_models(tmp_path):
         accelerator="cpu", devices=2, strategy=strategy, precision=cfg.trainer.precision, logger=False
     )
     mixed = trainer.strategy.mixed_precision_config
-    assert mixed.param_dtype == torch.bfloat16 and mixed.reduce_dtype == torch.bfloat16
+    assert mixed.param_dtype == torch.bfloat16
+    # Buffers and gradient reductions stay fp32, as under DDP with autocast: Lightning's bf16 buffers put
+    # RoPE's inv_freq in bf16 (rotary angles off by radians at thousands of positions).
+    assert mixed.buffer_dtype == mixed.reduce_dtype == torch.float32
 
 
 @pytest.mark.parametrize("model", TINY)
@@ -128,3 +131,44 @@ def test_vllm_generation_refuses_zero3_s_partitioned_weights_before_training(tra
     else:  # reaches the next check (a module that is no online method), past the strategy's
         with pytest.raises(TypeError, match="VLLMGeneration needs a module"):
             callback.setup(fake, None, "fit")
+
+
+# One gloo process in its own interpreter (a process group is global state): FSDP wraps a bf16 model whose
+# LoRA adapters PEFT keeps in fp32, as model=qwen2_5_vl_7b and llava_next (conf/model/_real_lora.yaml) are.
+_BF16_LORA_UNDER_FSDP = """
+import socket, sys, torch, torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from lightning_vlm.data.synthetic import synthetic_rows
+from lightning_vlm.models.vlm import VLM
+from lightning_vlm.parallel.fsdp import layer_classes, wrap_policy
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+vlm = VLM(sys.argv[1], dtype="bfloat16", lora={"r": 4, "lora_alpha": 8})
+assert {p.dtype for n, p in vlm.named_parameters() if ".lora_" in n} == {torch.float32}
+inputs = vlm.encode_sft(synthetic_rows("sft", 2, seed=0))
+mask = inputs.pop("labels") != -100
+FSDP(vlm, auto_wrap_policy=wrap_policy(vlm, layer_classes(vlm)), device_id=torch.device("cpu"),
+     use_orig_params=True)
+logps, _ = vlm.token_logps(inputs, mask)
+(-logps[mask].mean()).backward()
+print("trained", sum(p.grad is not None for n, p in vlm.named_parameters() if ".lora_" in n))
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp_wraps_a_bf16_model_with_fp32_lora_adapters(tiny_path):
+    # Each decoder layer was one unit of bf16 base and fp32 adapter weights: "Must flatten tensors with
+    # uniform dtype", for `trainer=fsdp model=qwen2_5_vl_7b` as README gives it. Adapters are units of their own.
+    import os
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _BF16_LORA_UNDER_FSDP, tiny_path()], cwd=ROOT, capture_output=True, text=True,
+        timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.split("trained")[-1]) > 0  # the adapters got gradients

@@ -9,6 +9,7 @@ reads both from the module it is given, so ``trainer=fsdp`` fits every model con
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,6 +53,26 @@ def layer_classes(module: torch.nn.Module) -> set[type[torch.nn.Module]]:
     return classes
 
 
+def wrap_policy(module: torch.nn.Module, classes: set[type[torch.nn.Module]]) -> Any:
+    """FSDP's auto-wrap policy: each block of ``classes`` one unit, and each LoRA adapter layer (``lora_A``,
+    ``lora_B``, ... of PEFT) a unit of its own. PEFT keeps adapters in fp32 beside a bf16 base
+    (``model.dtype=bfloat16``, the hub LoRA configs'), and FSDP flattens a unit's weights into one tensor of
+    one dtype: in their layer's unit they failed ("Must flatten tensors with uniform dtype"). Apart, the
+    frozen base units carry no gradients either."""
+    from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
+
+    adapters = {
+        id(sub)
+        for name, sub in module.named_modules()
+        if ".lora_" in name
+        and next(sub.children(), None) is None
+        and next(sub.parameters(), None) is not None
+    }
+    if not adapters:
+        return ModuleWrapPolicy(classes)
+    return CustomPolicy(lambda sub: type(sub) in classes or id(sub) in adapters)
+
+
 class VLMFSDPStrategy(FSDPStrategy):
     """``FSDPStrategy`` whose auto-wrap (``wrap_layers``) and activation checkpointing
     (``checkpoint_layers``) policies are the model family's ``layer_classes``.
@@ -67,6 +88,17 @@ class VLMFSDPStrategy(FSDPStrategy):
         self.checkpoint_layers = checkpoint_layers
         self._root: torch.nn.Module | None = None
 
+    @property
+    def mixed_precision_config(self) -> Any:
+        """Lightning's for ``trainer.precision`` (an explicit ``mixed_precision`` wins), with buffers and
+        gradient reductions in fp32: its half-precision buffers put RoPE's ``inv_freq`` in bf16 (rotary
+        angles off by radians at thousands of positions, image prompts reach them), and the policy would
+        differ from its fp32 reference copy from step 0. fp32 reductions keep DDP's gradient precision."""
+        config = super().mixed_precision_config
+        if config is None or self.mixed_precision:
+            return config
+        return dataclasses.replace(config, buffer_dtype=torch.float32, reduce_dtype=torch.float32)
+
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -79,7 +111,7 @@ class VLMFSDPStrategy(FSDPStrategy):
         if self.wrap_layers or self.checkpoint_layers:
             classes = layer_classes(model)
             if self.wrap_layers and "auto_wrap_policy" not in self.kwargs:
-                self.kwargs["auto_wrap_policy"] = ModuleWrapPolicy(classes)
+                self.kwargs["auto_wrap_policy"] = wrap_policy(model, classes)
             if self.checkpoint_layers and not self._activation_checkpointing_kwargs:
                 self._activation_checkpointing_kwargs = {"auto_wrap_policy": ModuleWrapPolicy(classes)}
         wrapped = any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
