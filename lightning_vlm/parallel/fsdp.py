@@ -9,6 +9,7 @@ reads both from the module it is given, so ``trainer=fsdp`` fits every model con
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterator
 from typing import Any
@@ -166,10 +167,19 @@ def unit_state_chunks(root: torch.nn.Module, module: torch.nn.Module) -> Iterato
                 buffers[clean_name(f"{owner_name}.{name}" if owner_name else name)] = buffer.detach().clone()
     if buffers:
         yield buffers
+    # LoRA adapter layers are units of their own (``wrap_policy``): each comes with the unit holding its
+    # base layer, so a LoRA layer's base weight and factors are gathered together (the merge needs both).
+    adapters = {id(u) for n, u in root.named_modules() if isinstance(u, FSDP) and ".lora_" in clean_name(n)}
     for unit in FSDP.fsdp_modules(root):
-        nested = {id(p) for sub in FSDP.fsdp_modules(unit) if sub is not unit for p in sub.parameters()}
+        if id(unit) in adapters:
+            continue
+        inner = [sub for sub in FSDP.fsdp_modules(unit) if sub is not unit and id(sub) not in adapters]
+        nested = {id(p) for sub in inner for p in sub.parameters()}
         own = [p for p in unit.parameters() if id(p) not in nested and id(p) in names]
         if not own:
             continue
-        with FSDP.summon_full_params(unit, recurse=False, writeback=False):
+        with contextlib.ExitStack() as gathered:
+            for sub in [unit, *(a for a in FSDP.fsdp_modules(unit) if id(a) in adapters)]:
+                if sub is unit or not any(id(p) in nested for p in sub.parameters()):
+                    gathered.enter_context(FSDP.summon_full_params(sub, recurse=False, writeback=False))
             yield {name: p.detach().clone() for p in own for name in names[id(p)]}
