@@ -201,3 +201,27 @@ def test_the_batch_count_after_a_resume_follows_limit_train_batches(tmp_path):
               "trainer.limit_train_batches=4", f"ckpt_path={mid}"]  # fmt: skip
     _, resumed = train(compose_train(resume, tmp_path / "b"))
     assert resumed["trainer"].global_step == 2 + 3  # the 8 rows done are one batch of 8 of the 4 allowed
+
+
+def test_a_checkpoint_after_set_epoch_and_before_the_first_batch_keeps_that_epoch_whole():
+    # Under DDP Lightning checks for SIGTERM at the top of each step: after set_epoch(e + 1), before the
+    # first fetch. The state paired epoch e + 1 with epoch e's consumed count, and the resume skipped it.
+    loader = ResumableDataLoader(
+        list(range(10)), batch_size=2, seed=0, num_replicas=2, rank=0, collate_fn=list
+    )
+    loader.sampler.set_epoch(0)
+    _epoch(loader)
+    loader.sampler.set_epoch(1)
+    iter(loader)  # Lightning's fetcher takes the iterator; no batch drawn yet
+    state = loader.state_dict()
+    assert (state["epoch"], state["samples"], state["batches"]) == (1, 0, 0)
+    resumed = ResumableDataLoader(
+        list(range(10)), batch_size=2, seed=0, num_replicas=2, rank=0, collate_fn=list
+    )
+    resumed.load_state_dict(state)
+    resumed.sampler.set_epoch(1)
+    fresh = ResumableDataLoader(
+        list(range(10)), batch_size=2, seed=0, num_replicas=2, rank=0, collate_fn=list
+    )
+    fresh.sampler.set_epoch(1)
+    assert _epoch(resumed) == _epoch(fresh) != []

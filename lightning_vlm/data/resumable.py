@@ -111,6 +111,7 @@ class ResumableDataLoader(DataLoader):
         # A loaded position not yet iterated: state_dict reports it (a checkpoint can be written before
         # the resumed run's first batch: a SIGTERM at the top of a batch, a stop in a resumed validation).
         self._loaded = False
+        self._pass_epoch = 0  # the epoch of the pass over which _start and _fetched count
         # Set by load_state_dict when the checkpoint's global batch (rows per step, all ranks) differs.
         self.resumed_with_other_batch = False
 
@@ -122,6 +123,7 @@ class ResumableDataLoader(DataLoader):
 
     def __iter__(self):
         self._start, self._fetched, self._loaded = self._resume_start(), 0, False
+        self._pass_epoch = self.sampler.epoch
         for batch in super().__iter__():
             self._fetched += 1
             yield batch
@@ -130,11 +132,14 @@ class ResumableDataLoader(DataLoader):
         """Epoch, batches handed out in it (per rank), samples of its order consumed by all ranks, and what
         the order is made of (rows, seed, shuffle)."""
         sampler: EpochSeededSampler = self.sampler
-        start = self._resume_start() if self._loaded else self._start
-        consumed = start + self._fetched * self.batch_size * sampler.num_replicas
+        # Not yet iterated: a loaded position, or an epoch Lightning has begun (set_epoch) whose first batch
+        # is not fetched yet (a SIGTERM at the top of its first step); the counts are the last pass's.
+        pending = self._loaded or self._pass_epoch != sampler.epoch
+        start = self._resume_start() if pending else self._start
+        consumed = start + (0 if pending else self._fetched) * self.batch_size * sampler.num_replicas
         return {
             "epoch": sampler.epoch,
-            "batches": start // (self.batch_size * sampler.num_replicas) + self._fetched,
+            "batches": start // (self.batch_size * sampler.num_replicas) + (0 if pending else self._fetched),
             "samples": min(consumed, sampler.length),
             "world_size": sampler.num_replicas,
             "batch_size": self.batch_size,
