@@ -359,3 +359,17 @@ def test_gemma3_pan_and_scan_is_refused_naming_the_setting(tiny_path):
     # Its crops give an image several pixel rows; the batch was refused later, blaming sliced tensors.
     with pytest.raises(ValueError, match=r"model.processor_kwargs.do_pan_and_scan=true"):
         VLM(tiny_path("gemma3"), processor_kwargs={"do_pan_and_scan": True})
+
+
+def test_the_frozen_copy_follows_the_policys_weight_dtype(tiny_path):
+    # DeepSpeed's bf16 casts the policy's weights to bf16 with no autocast; the copy stayed fp32, so the
+    # reference scored other log-probs than the policy from step 0.
+    vlm = VLM(tiny_path())
+    ref = ReferenceModel(vlm)
+    vlm.hf_model.to(torch.bfloat16)  # what the DeepSpeed engine does to the module it wraps
+    ref.to("cpu")
+    assert {p.dtype for p in ref.copy.parameters()} == {torch.bfloat16}
+    inputs = vlm.encode_sft(sft_rows())
+    mask = inputs["labels"] != -100
+    with torch.no_grad():
+        torch.testing.assert_close(ref.token_logps(inputs, mask)[0], vlm.token_logps(inputs, mask)[0])

@@ -59,8 +59,20 @@ class ReferenceModel:
             )
         return out[:2]
 
-    def to(self, *args, **kwargs) -> ReferenceModel:
-        """Move the frozen copy (a no-op for the adapter-disabled reference)."""
-        if self.copy is not None:
-            self.copy.to(*args, **kwargs)
+    def to(self, device: torch.device | str) -> ReferenceModel:
+        """Move the frozen copy to ``device``, each weight in the dtype of the policy's (a no-op for the
+        adapter-disabled reference), buffers too. DeepSpeed's bf16 casts the policy's to bf16 and adds no
+        autocast: an fp32 copy would score other log-probs than the policy's from step 0 (DPO margins and
+        the KL not 0 at the start). Under DDP and FSDP the policy keeps its dtype, and so does the copy."""
+        if self.copy is None:
+            return self
+        self.copy.to(device)
+        policy = self.vlm.hf_model
+        for theirs, ours in ((policy.named_parameters(), self.copy.named_parameters()),
+                             (policy.named_buffers(), self.copy.named_buffers())):  # fmt: skip
+            own = dict(theirs)
+            for name, tensor in ours:
+                match = own.get(name)
+                if match is not None and match.is_floating_point() and match.dtype != tensor.dtype:
+                    tensor.data = tensor.data.to(match.dtype)
         return self
