@@ -153,6 +153,15 @@ FSDP(vlm, auto_wrap_policy=wrap_policy(vlm, layer_classes(vlm)), device_id=torch
 logps, _ = vlm.token_logps(inputs, mask)
 (-logps[mask].mean()).backward()
 print("trained", sum(p.grad is not None for n, p in vlm.named_parameters() if ".lora_" in n))
+# An fp32 model keeps its adapters in their layer's unit: PEFT reads an embedding LoRA's factors (and
+# DoRA's) outside their own forward, which a unit of their own would leave sharded.
+vlm = VLM(sys.argv[1], lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "embed_tokens"]})
+root = torch.nn.Module()
+root.vlm = vlm
+FSDP(root, auto_wrap_policy=wrap_policy(vlm, layer_classes(vlm)), device_id=torch.device("cpu"),
+     use_orig_params=True)
+logps, _ = vlm.token_logps(inputs, mask)
+(-logps[mask].mean()).backward()
 dist.destroy_process_group()
 """
 

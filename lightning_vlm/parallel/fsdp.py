@@ -55,20 +55,21 @@ def layer_classes(module: torch.nn.Module) -> set[type[torch.nn.Module]]:
 
 
 def wrap_policy(module: torch.nn.Module, classes: set[type[torch.nn.Module]]) -> Any:
-    """FSDP's auto-wrap policy: each block of ``classes`` one unit, and each LoRA adapter layer (``lora_A``,
-    ``lora_B``, ... of PEFT) a unit of its own. PEFT keeps adapters in fp32 beside a bf16 base
-    (``model.dtype=bfloat16``, the hub LoRA configs'), and FSDP flattens a unit's weights into one tensor of
-    one dtype: in their layer's unit they failed ("Must flatten tensors with uniform dtype"). Apart, the
-    frozen base units carry no gradients either."""
+    """FSDP's auto-wrap policy: each block of ``classes`` one unit; and where PEFT keeps LoRA's factors
+    in another dtype than their base layer (fp32 adapters beside a bf16 base, ``model.dtype=bfloat16``: the
+    hub LoRA configs'), each ``lora_A``/``lora_B`` linear layer a unit of its own, since FSDP flattens a
+    unit's weights into one tensor of one dtype ("Must flatten tensors with uniform dtype" otherwise).
+    Only then: PEFT reads some factors outside their own forward (DoRA's ``lora_A.weight.shape``, the
+    embedding LoRA's ``lora_embedding_A`` dict), which a unit of their own would leave sharded."""
     from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
 
+    base = {p.dtype for n, p in module.named_parameters() if ".lora_" not in n}
     adapters = {
         id(sub)
         for name, sub in module.named_modules()
-        if ".lora_" in name
-        and next(sub.children(), None) is None
-        and next(sub.parameters(), None) is not None
-    }
+        if (".lora_A." in name or ".lora_B." in name) and isinstance(sub, torch.nn.Linear)
+        and sub.weight.dtype not in base
+    }  # fmt: skip
     if not adapters:
         return ModuleWrapPolicy(classes)
     return CustomPolicy(lambda sub: type(sub) in classes or id(sub) in adapters)
@@ -167,8 +168,8 @@ def unit_state_chunks(root: torch.nn.Module, module: torch.nn.Module) -> Iterato
                 buffers[clean_name(f"{owner_name}.{name}" if owner_name else name)] = buffer.detach().clone()
     if buffers:
         yield buffers
-    # LoRA adapter layers are units of their own (``wrap_policy``): each comes with the unit holding its
-    # base layer, so a LoRA layer's base weight and factors are gathered together (the merge needs both).
+    # LoRA factors of another dtype than their base are units of their own (``wrap_policy``): each comes
+    # with the unit holding its base layer, so a layer's base weight and factors are gathered together.
     adapters = {id(u) for n, u in root.named_modules() if isinstance(u, FSDP) and ".lora_" in clean_name(n)}
     for unit in FSDP.fsdp_modules(root):
         if id(unit) in adapters:
