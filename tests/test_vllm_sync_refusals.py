@@ -63,3 +63,10 @@ def test_a_row_with_more_images_than_the_engine_takes_names_the_setting():
     ):
         check_image_counts(rows, EngineOptions())
     check_image_counts(rows, EngineOptions.build(OmegaConf.create({"limit_mm_per_prompt": {"image": 5}})))
+    # vLLM's dict form counts too; a limit that lists no image is vLLM's own to enforce (999 in 0.32).
+    counted = EngineOptions.build(
+        {"limit_mm_per_prompt": {"image": {"count": 4, "width": 224, "height": 224}}}
+    )
+    with pytest.raises(ValueError, match=r"at most 4"):
+        check_image_counts(rows, counted)
+    check_image_counts(rows, EngineOptions.build({"limit_mm_per_prompt": {"video": 0}}))

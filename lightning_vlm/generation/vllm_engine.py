@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from lightning_vlm.generation.engine_options import EngineOptions
@@ -35,8 +35,13 @@ IMAGES_ONLY = {"image": 4, "video": 0}
 def check_image_counts(rows: list[dict], engine: EngineOptions) -> None:
     """Refuse, naming the setting, a row with more images than the engine takes a prompt (vLLM's own error
     names its command-line flag, not the config key that sets it here)."""
-    limit = dict(IMAGES_ONLY if engine.limit_mm_per_prompt is None else engine.limit_mm_per_prompt)
-    limit = limit.get("image", 1)
+    limit = dict(IMAGES_ONLY if engine.limit_mm_per_prompt is None else engine.limit_mm_per_prompt).get(
+        "image"
+    )
+    if isinstance(limit, Mapping):  # vLLM's dict form: {count: 4, width: 224, height: 224}
+        limit = limit.get("count")
+    if not isinstance(limit, int):
+        return  # not listed: vLLM's own limit for the modality, which it enforces itself
     for i, row in enumerate(rows):
         count = len(row.get("images") or [])
         if count > limit:
