@@ -123,9 +123,12 @@ def test_a_normalized_solution_under_norm1000_is_refused():
     [
         ("The answer I think is C", "C"),  # the pronoun after a cue word, among ten options
         ("My answer, I believe, is C", "C"),
-        ("the answer is I think C", "C"),
+        ("the answer is I think C", None),  # "is I" names I, then C: a hedge
         ("Answer: I", "I"),
         ("Answer: (I) because it fits", "I"),
+        ("The answer is I because it is the only one.", "I"),  # "is" makes I the answer (a review's case)
+        ("The correct option is I since the others fail", "I"),
+        ("Answer: I because it fits", "I"),
     ],
 )
 def test_the_pronoun_i_after_a_cue_word_is_not_option_i(text, letter):

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 _WHOLE_CHOICE = re.compile(r"\s*[(\[]?\s*([A-Za-z])\s*[)\]]?\s*[.:]?\s*")
 _PAREN_CHOICE = re.compile(r"[(\[]\s*([A-Za-z])\s*[)\]]")
 _CUE_CHOICE = re.compile(r"\b(?:answer|option|choice)(?:\s+is)?\s*[:=]?\s*[(\[]?\s*([A-Za-z])(?![\w'])", re.I)
+# What between a cue word and its letter makes the letter the answer: "answer is I", "Answer: I", "option (I)".
+_CUE_SEPARATOR = re.compile(r"\bis\b|[:=(\[]", re.I)
 # An answer opening with an option's marker, then its text: "B. Vitamin C", "(b) red", "c) yellow".
 _LEADING_CHOICE = re.compile(r"\s*(?:[(\[]\s*([A-Za-z])\s*[)\]]|([A-Za-z])\s*[).:])\s+")
 _UPPER_CHOICE = re.compile(r"(?<![\w'])([A-Z])(?![\w'])")
@@ -48,10 +50,12 @@ def _marked_mentions(answer: str) -> set[str]:
     """The letters marked as options: parenthesised, or after "answer", "option" or "choice"."""
     mentions = {m.group(1).upper() for m in _PAREN_CHOICE.finditer(answer)}
     for match in _CUE_CHOICE.finditer(answer):
-        # "the answer is a cat": a lower-case "a" followed by a word is the article; "the answer I think
-        # is C": "I" followed by one is the pronoun, as a lone capital is (a parenthesised "(I)" counts).
+        # "the answer is a cat": a lower-case "a" followed by a word is the article. "The answer I think is
+        # C": "I" right after the cue word (no "is", colon or bracket between) and followed by a word is the
+        # pronoun; "the answer is I because ..." names option I.
         letter = match.group(1)
-        if not (letter in "aI" and _is_word(answer, letter, match.end())):
+        bare = letter == "I" and not _CUE_SEPARATOR.search(answer, match.start(), match.start(1))
+        if not ((letter == "a" or bare) and _is_word(answer, letter, match.end())):
             mentions.add(letter.upper())
     return mentions
 
