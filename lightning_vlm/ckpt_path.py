@@ -8,6 +8,7 @@ tensors and plain values, never code from the file. Lightning would download a U
 from __future__ import annotations
 
 import logging
+import os
 import traceback
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_vlm.checkpoint_io import CheckpointLoadError
@@ -71,6 +73,34 @@ def _loadable(path: Path, given: str, trainer: L.Trainer) -> str:
                 "wrote (`model.model_name_or_path=<dir>`)."
             )
     return str(path)
+
+
+def _state_file(folder: Path) -> Path:
+    """Where a checkpoint folder keeps Lightning's own entries: FSDP's sharded checkpoints in meta.pt,
+    DeepSpeed's beside rank 0's model states (``checkpoint/[zero_pp_rank_0_]mp_rank_00_model_states.pt``)."""
+    if (folder / "meta.pt").is_file():
+        return folder / "meta.pt"
+    deepspeed = sorted((folder / "checkpoint").glob("*mp_rank_00_model_states.pt"))
+    return deepspeed[0] if deepspeed else folder / "meta.pt"
+
+
+def checkpoint_entries(ckpt_path: str | os.PathLike | None) -> dict[str, Any] | None:
+    """Lightning's top-level entries (hyper-parameters, callback states, ...) of the local checkpoint at
+    ``ckpt_path``, a file or an FSDP or DeepSpeed checkpoint's folder; None for no such local file or one
+    that does not load (the fit's own load then says what is wrong with it). Read with
+    ``weights_only=True`` and memory-mapped: the weights are not read."""
+    if not ckpt_path or "://" in str(ckpt_path):
+        return None
+    path = Path(ckpt_path)
+    file = _state_file(path) if path.is_dir() else path
+    if not file.is_file():
+        return None
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # damaged, not a zip checkpoint, ...: reported by the fit's load
+        log.debug("checkpoint entries not read from %s: %s", file, err)
+        return None
+    return state if isinstance(state, dict) else None
 
 
 def last_checkpoint(callbacks: Iterable[Any]) -> Path | None:

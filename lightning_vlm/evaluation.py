@@ -17,7 +17,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_vlm.ckpt_path import checkpoint_to_load, restore_errors
+from lightning_vlm.ckpt_path import checkpoint_entries, checkpoint_to_load, restore_errors
 from lightning_vlm.loggers import ending_runs, start_runs
 from lightning_vlm.methods.dpo import DPO
 from lightning_vlm.methods.kto import KTO
@@ -54,11 +54,10 @@ def check_held_out_rows(ckpt_path: str, data: Any) -> None:
     """Refuse to score rows ``ckpt_path`` trained on: eval's ``data.val_fraction`` holds out a seeded sample of
     ``data.train``; unless the checkpoint's run held out the same sample (same data, ``val_fraction`` and
     seed), some of them were its training rows, and their scores would flatter it with no sign why."""
-    if not data.get("val_fraction") or not Path(ckpt_path).is_file():
-        return  # a remote checkpoint (s3://...) is not read twice for this
-    trained = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=True).get(
-        "datamodule_hyper_parameters"
-    )
+    if not data.get("val_fraction"):
+        return
+    # A file, or a sharded checkpoint's folder (its meta.pt): Lightning's entries, not the weights.
+    trained = (checkpoint_entries(ckpt_path) or {}).get("datamodule_hyper_parameters")
     if not trained or any(_plain(trained.get(k)) != _plain(data.get(k)) for k in _SOURCE_KEYS):
         return  # other data (or a checkpoint without its data settings): nothing to compare
     if not trained.get("val_fraction"):

@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
+
+from lightning_vlm.ckpt_path import checkpoint_entries
 
 log = logging.getLogger(__name__)
 # Where a checkpoint keeps the W&B run it belongs to: {"id": ..., "project": ...}.
@@ -163,31 +164,10 @@ class WandbRunId(L.Callback):
                 return
 
 
-def _state_file(folder: Path) -> Path:
-    """Where a checkpoint folder keeps Lightning's own entries: FSDP's sharded checkpoints in meta.pt,
-    DeepSpeed's beside rank 0's model states (``checkpoint/[zero_pp_rank_0_]mp_rank_00_model_states.pt``)."""
-    if (folder / "meta.pt").is_file():
-        return folder / "meta.pt"
-    deepspeed = sorted((folder / "checkpoint").glob("*mp_rank_00_model_states.pt"))
-    return deepspeed[0] if deepspeed else folder / "meta.pt"
-
-
 def wandb_run_id(ckpt_path: str | os.PathLike | None) -> str | None:
     """The W&B run id stored in the local checkpoint at ``ckpt_path`` (a file, or an FSDP or DeepSpeed
-    checkpoint's folder), or ``None``: none stored, no such local file, or a file that does not load (the fit's own
-    load then says what is wrong with it). Read with ``weights_only=True`` and memory-mapped."""
-    if not ckpt_path or "://" in str(ckpt_path):
-        return None
-    path = Path(ckpt_path)
-    file = _state_file(path) if path.is_dir() else path
-    if not file.is_file():
-        return None
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:  # damaged, not a zip checkpoint, ...: reported by the fit's load
-        log.debug("no W&B run id read from %s: %s", file, err)
-        return None
-    run = state.get(WANDB_RUN_KEY) if isinstance(state, dict) else None
+    checkpoint's folder), or ``None``: none stored, or no checkpoint entries read (``checkpoint_entries``)."""
+    run = (checkpoint_entries(ckpt_path) or {}).get(WANDB_RUN_KEY)
     return str(run["id"]) if isinstance(run, dict) and run.get("id") else None
 
 

@@ -260,6 +260,16 @@ def test_eval_refuses_to_hold_out_rows_the_checkpoint_trained_on(sft_run, tmp_pa
     # The training run's own split scores (its seed holds out the rows it held out).
     report = _evaluate([f"ckpt_path={ckpt}", *held_out, "seed=1"], tmp_path / "c")
     assert report["num_rows"] == 10
+    # A sharded (FSDP) checkpoint is a folder: its entries are in meta.pt, read as the file's are.
+    from lightning_vlm.evaluation import check_held_out_rows
+
+    sharded = tmp_path / "sharded.ckpt"
+    sharded.mkdir()
+    torch.save({"datamodule_hyper_parameters": torch.load(ckpt, weights_only=False)["datamodule_hyper_parameters"]},
+               sharded / "meta.pt")  # fmt: skip
+    data = {**torch.load(ckpt, weights_only=False)["datamodule_hyper_parameters"], "seed": 0}
+    with pytest.raises(ValueError, match=r"data.seed=0.*trained with .*data.seed=1"):
+        check_held_out_rows(str(sharded), data)
     # Other data (here a larger synthetic set) is not the checkpoint's: nothing to compare.
     assert _evaluate([f"ckpt_path={ckpt}", "data.val_fraction=0.25", "data.synthetic.num_train=60"],
                      tmp_path / "d")["num_rows"] == 15  # fmt: skip
