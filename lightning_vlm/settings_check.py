@@ -234,6 +234,8 @@ def _check_vllm_temperature(method: Any, callbacks: Any) -> None:
     """vLLM samples at no temperature below 0.01 (it raises lower ones to 0.01), while the trainer's
     log-probs divide by the one set: the ratios and the loss would describe another distribution."""
     temperature = (method.get("sampling") or {}).get("temperature", 1.0)
+    if "num_candidates" in method:
+        return  # Online DPO: its loss's log-probs are at temperature 1, the temperature only samples
     if callbacks.get("vllm_generation") and _number(temperature) and 0 < temperature < 0.01:
         raise ValueError(
             f"method.sampling.temperature={temperature} with generation by vLLM, which samples at 0.01 for any "

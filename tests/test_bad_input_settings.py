@@ -182,6 +182,10 @@ def test_settings_an_online_loop_can_honour_are_accepted(tmp_path):
     check_settings(
         compose_train([*SMALL, "method=grpo", "method.sampling.temperature=0.005"], tmp_path)
     )  # HF
+    # Online DPO's log-probs are at temperature 1 whatever it samples at (a review of the check above)
+    check_settings(compose_train(
+        [*SMALL, "method=online_dpo", "generation=vllm_colocate", "method.sampling.temperature=0.005"], tmp_path
+    ))  # fmt: skip
 
 
 def test_a_missing_checkpoint_is_named_before_anything_is_built(tmp_path):
