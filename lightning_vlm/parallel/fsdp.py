@@ -61,14 +61,14 @@ def wrap_policy(module: torch.nn.Module, classes: set[type[torch.nn.Module]]) ->
     unit's weights into one tensor of one dtype ("Must flatten tensors with uniform dtype" otherwise).
     Only then: PEFT reads some factors outside their own forward (DoRA's ``lora_A.weight.shape``, the
     embedding LoRA's ``lora_embedding_A`` dict), which a unit of their own would leave sharded."""
+    from peft.tuners.lora import LoraLayer
     from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
 
-    base = {p.dtype for n, p in module.named_parameters() if ".lora_" not in n}
     adapters = {
-        id(sub)
-        for name, sub in module.named_modules()
-        if (".lora_A." in name or ".lora_B." in name) and isinstance(sub, torch.nn.Linear)
-        and sub.weight.dtype not in base
+        id(factor)
+        for layer in module.modules() if isinstance(layer, LoraLayer)
+        for factor in [*layer.lora_A.values(), *layer.lora_B.values()]
+        if isinstance(factor, torch.nn.Linear) and factor.weight.dtype != layer.get_base_layer().weight.dtype
     }  # fmt: skip
     if not adapters:
         return ModuleWrapPolicy(classes)
