@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_vlm.ckpt_path import checkpoint_entries, checkpoint_to_load, restore_errors
+from lightning_vlm.data.sources import plain
 from lightning_vlm.loggers import ending_runs, start_runs
 from lightning_vlm.methods.dpo import DPO
 from lightning_vlm.methods.kto import KTO
@@ -58,7 +59,7 @@ def check_held_out_rows(ckpt_path: str, data: Any) -> None:
         return
     # A file, or a sharded checkpoint's folder (its meta.pt): Lightning's entries, not the weights.
     trained = (checkpoint_entries(ckpt_path) or {}).get("datamodule_hyper_parameters")
-    if not trained or any(_plain(trained.get(k)) != _plain(data.get(k)) for k in _SOURCE_KEYS):
+    if not trained or any(plain(trained.get(k)) != plain(data.get(k)) for k in _SOURCE_KEYS):
         return  # other data (or a checkpoint without its data settings): nothing to compare
     if not trained.get("val_fraction"):
         raise ValueError(
@@ -77,10 +78,6 @@ def check_held_out_rows(ckpt_path: str, data: Any) -> None:
             f"would score were trained on. Pass its settings (seed={theirs['seed']} sets data.seed, "
             f"data.val_fraction={theirs['val_fraction']}), or give held-out rows as data.val"
         )
-
-
-def _plain(value: Any) -> Any:
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], Path]:

@@ -32,12 +32,15 @@ _COLOCATED_CPU_ENV = {**CPU_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 IMAGES_ONLY = {"image": 4, "video": 0}
 
 
+def mm_limits(engine: EngineOptions) -> dict[str, Any]:
+    """The engine's ``limit_mm_per_prompt``: ``IMAGES_ONLY`` unless set."""
+    return dict(IMAGES_ONLY if engine.limit_mm_per_prompt is None else engine.limit_mm_per_prompt)
+
+
 def check_image_counts(rows: list[dict], engine: EngineOptions) -> None:
     """Refuse, naming the setting, a row with more images than the engine takes a prompt (vLLM's own error
     names its command-line flag, not the config key that sets it here)."""
-    limit = dict(IMAGES_ONLY if engine.limit_mm_per_prompt is None else engine.limit_mm_per_prompt).get(
-        "image"
-    )
+    limit = mm_limits(engine).get("image")
     if isinstance(limit, Mapping):  # vLLM's dict form: {count: 4, width: 224, height: 224}
         limit = limit.get("count")
     if not isinstance(limit, int):
@@ -103,9 +106,7 @@ def make_vllm_engine(
     kwargs: dict[str, Any] = {
         "model": os.fspath(model_path),
         "max_model_len": max_model_len,
-        "limit_mm_per_prompt": dict(
-            IMAGES_ONLY if engine.limit_mm_per_prompt is None else engine.limit_mm_per_prompt
-        ),
+        "limit_mm_per_prompt": mm_limits(engine),
         "model_impl": engine.model_impl,
         "logprobs_mode": engine.logprobs_mode,
         "seed": engine.seed,

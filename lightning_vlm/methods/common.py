@@ -55,18 +55,15 @@ DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, tor
                    torch.nn.AlphaDropout)  # fmt: skip
 
 
-def turn_off_dropout(model: torch.nn.Module) -> int:
+def turn_off_dropout(model: torch.nn.Module) -> None:
     """Sets every dropout module of ``model`` (LoRA's ``lora_dropout`` too) to p = 0, as TRL's
-    ``disable_dropout``; returns how many had p > 0. The loss compares the policy's log-probs with the
+    ``disable_dropout``. The loss compares the policy's log-probs with the
     reference's, which runs without dropout: under dropout the policy's are noisy, and the implicit
     rewards (DPO), z0 (KTO) or ratios with them. Attention dropout that a model applies as a float of
     its config, not a module, is left as is (TRL leaves it too)."""
-    changed = 0
     for module in model.modules():
-        if isinstance(module, DROPOUT_MODULES) and module.p > 0:
+        if isinstance(module, DROPOUT_MODULES):
             module.p = 0.0
-            changed += 1
-    return changed
 
 
 class FactoryOptimized(L.LightningModule):
