@@ -31,38 +31,40 @@ def test_a_sweep_across_metrics_names_a_best_per_metric_not_one_over_all():
     assert best_per_metric([_job(0, "val/reward", None)]) == {"val/reward": None}
 
 
-def test_the_sweepers_direction_ranks_the_trials(tmp_path):
-    # The summary took monitor_mode (max) while Optuna minimised val/loss: it named the worst trial best.
+def _summary_of_two_losses(cfg, folder) -> dict:
+    """summary.json of a sweep (``cfg``: its composed config) whose two jobs returned losses 2.0 and 0.5."""
     from hydra.core.utils import JobReturn, JobStatus
     from omegaconf import OmegaConf
 
-    from helpers import compose_train
     from lightning_vlm.sweeps import SweepSummary
+
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg))
+    summary = SweepSummary()
+    summary.on_multirun_start(cfg)
+    for num, loss in enumerate([2.0, 0.5]):
+        cfg.hydra.job.num, cfg.hydra.runtime.output_dir = num, str(folder / str(num))
+        summary.on_job_end(
+            cfg, JobReturn(overrides=[f"t={num}"], status=JobStatus.COMPLETED, _return_value=loss)
+        )
+    return json.loads((folder / "summary.json").read_text())
+
+
+def test_the_sweepers_direction_ranks_the_trials(tmp_path):
+    # The summary took monitor_mode (max) while Optuna minimised val/loss: it named the worst trial best.
+    from helpers import compose_train
 
     for direction, best in (("minimize", 0.5), ("maximize", 2.0)):
         folder = tmp_path / direction
         cfg = compose_train(["hparams_search=sft_optuna", "optimized_metric=val/loss",
                              f"hydra.sweeper.direction={direction}", f"hydra.sweep.dir={folder}"])  # fmt: skip
-        cfg = OmegaConf.create(OmegaConf.to_container(cfg))
-        summary = SweepSummary()
-        summary.on_multirun_start(cfg)
-        for num, loss in enumerate([2.0, 0.5]):
-            cfg.hydra.job.num, cfg.hydra.runtime.output_dir = num, str(folder / str(num))
-            summary.on_job_end(
-                cfg, JobReturn(overrides=[f"t={num}"], status=JobStatus.COMPLETED, _return_value=loss)
-            )
-        written = json.loads((folder / "summary.json").read_text())
+        written = _summary_of_two_losses(cfg, folder)
         assert written["mode"] == direction[:3] and written["best"]["value"] == best
 
 
 def test_the_basic_sweeper_ranks_by_optimized_mode(tmp_path):
     # The basic sweeper has no direction: the summary took monitor_mode (max), naming the highest loss best;
     # monitor_mode=min would also flip the best checkpoint's direction.
-    from hydra.core.utils import JobReturn, JobStatus
-    from omegaconf import OmegaConf
-
     from helpers import compose_train
-    from lightning_vlm.sweeps import SweepSummary
 
     overrides = [
         "optimized_metric=val/loss",
@@ -71,14 +73,6 @@ def test_the_basic_sweeper_ranks_by_optimized_mode(tmp_path):
         f"hydra.sweep.dir={tmp_path}",
     ]
     cfg = compose_train(overrides)
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg))
     assert cfg.monitor_mode == "max"  # the checkpoints still keep the best answer accuracy
-    summary = SweepSummary()
-    summary.on_multirun_start(cfg)
-    for num, loss in enumerate([2.0, 0.5]):
-        cfg.hydra.job.num, cfg.hydra.runtime.output_dir = num, str(tmp_path / str(num))
-        summary.on_job_end(
-            cfg, JobReturn(overrides=[f"t={num}"], status=JobStatus.COMPLETED, _return_value=loss)
-        )
-    written = json.loads((tmp_path / "summary.json").read_text())
+    written = _summary_of_two_losses(cfg, tmp_path)
     assert written["mode"] == "min" and written["best"]["value"] == 0.5

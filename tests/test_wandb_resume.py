@@ -30,11 +30,16 @@ FAST = [
 ]
 
 
-def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, monkeypatch):
+def _first_run(folder, monkeypatch) -> str:
+    """Two steps offline (as without a W&B account) in ``folder``; its W&B run id."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    _, first = train(compose_train([*FAST, "trainer.max_steps=2"], tmp_path / "a"))
-    run_id = first["trainer"].logger.version
+    _, first = train(compose_train([*FAST, "trainer.max_steps=2"], folder))
+    return first["trainer"].logger.version
+
+
+def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, monkeypatch):
+    run_id = _first_run(tmp_path / "a", monkeypatch)
     last = tmp_path / "a" / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=True)[WANDB_RUN_KEY] == {"id": run_id, "project": "lightning-vlm"}
 
@@ -55,10 +60,7 @@ def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, monkeypatch):
 def test_ckpt_path_last_continues_the_wandb_run_of_the_checkpoint_it_finds(tmp_path, monkeypatch):
     # A requeued job: the same run folder, ckpt_path=last. The id used to be read from the keyword itself
     # (no file), so every requeue started a new W&B run.
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    _, first = train(compose_train([*FAST, "trainer.max_steps=2"], tmp_path))
-    run_id = first["trainer"].logger.version
+    run_id = _first_run(tmp_path, monkeypatch)
     _, second = train(compose_train([*FAST, "trainer.max_steps=4", "ckpt_path=last"], tmp_path))
     assert second["trainer"].global_step == 4 and second["trainer"].logger.version == run_id
 
@@ -147,10 +149,7 @@ def test_sweep_jobs_from_one_checkpoint_start_their_own_wandb_runs(tmp_path, mon
     from hydra.types import RunMode
     from omegaconf import OmegaConf, open_dict
 
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    _, first = train(compose_train([*FAST, "trainer.max_steps=2"], tmp_path / "a"))
-    run_id = first["trainer"].logger.version
+    run_id = _first_run(tmp_path / "a", monkeypatch)
     last = tmp_path / "a" / "checkpoints" / "last.ckpt"
     cfg = compose_train([*FAST, "trainer.max_steps=3", f"ckpt_path={last}"], tmp_path / "b")
     OmegaConf.set_readonly(cfg.hydra, False)
