@@ -208,6 +208,14 @@ KTO_VALIDATION = [
 # ranks' tokens matches the one-process run (see write_variable_length_data).
 EQUIVALENCE: dict[str, list[str]] = {
     "sft": ["method=sft", "data.train=${oc.env:DDP_TEST_DATA}/sft.jsonl"],
+    # 2 accumulated micro-batches a step: divided by the tokens of both, on both ranks (step_tokens); no
+    # clipping, which would keep only the gradient's direction
+    "sft_accumulated": [
+        "method=sft",
+        "data.train=${oc.env:DDP_TEST_DATA}/sft.jsonl",
+        "trainer.accumulate_grad_batches=2",
+        "trainer.gradient_clip_val=null",
+    ],  # fmt: skip
     # Text-only rows on rank 1, image rows on rank 0, the vision tower trained: rank 1 must still run it
     # (FSDP gathers its weights, DDP reduces its gradients), in training and in the final validation's
     # generate, as vision_every_rank makes it.

@@ -89,6 +89,7 @@ ATOL = {"grpo_dr_grpo": 1e-4}
 # whole batch, as TRL's gathered metrics do: rank 0 logs on two processes what one process logs.
 SAME_LOGGED_METRICS = (
     "sft",
+    "sft_accumulated",
     "sft_mixed",
     "dpo",
     "mpo",

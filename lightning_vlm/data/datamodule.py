@@ -83,6 +83,9 @@ class VLMDataModule(L.LightningDataModule):
     """Shared DataModule: loads, validates and batches rows of one shape (set by the subclass)."""
 
     shape: ClassVar[str] = ""
+    # Under gradient accumulation, train batches that show the rows after them (LookaheadBatch): a method
+    # that divides a step by all its tokens (SFT, as TRL) counts them before the step's first micro-batch.
+    looks_ahead: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -239,6 +242,9 @@ class VLMDataModule(L.LightningDataModule):
             shuffle=hp.shuffle,
             num_replicas=world,
             rank=rank,
+            lookahead=self.looks_ahead
+            and self.trainer is not None
+            and self.trainer.accumulate_grad_batches > 1,
             collate_fn=collate_rows,
             num_workers=hp.num_workers,
             persistent_workers=hp.num_workers > 0,
@@ -288,6 +294,7 @@ class SFTDataModule(VLMDataModule):
     """SFT rows: ``messages`` (or TRL's ``prompt`` + ``completion``) and ``images``."""
 
     shape = "sft"
+    looks_ahead = True
 
 
 class PreferenceDataModule(VLMDataModule):

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lightning_vlm.data.lookahead import looking_ahead
+
 log = logging.getLogger(__name__)
 
 
@@ -100,8 +102,11 @@ class ResumableDataLoader(DataLoader):
         shuffle: bool = True,
         num_replicas: int = 1,
         rank: int = 0,
+        lookahead: bool = False,
         **kwargs: Any,
     ) -> None:
+        """``lookahead``: hand out :class:`~lightning_vlm.data.lookahead.LookaheadBatch` objects, which can show
+        the rows of the batches after them (SFT counts a whole accumulation window's tokens first)."""
         sampler = EpochSeededSampler(
             len(dataset), seed=seed, shuffle=shuffle, num_replicas=num_replicas, rank=rank
         )
@@ -114,6 +119,7 @@ class ResumableDataLoader(DataLoader):
         self._pass_epoch = 0  # the epoch of the pass over which _start and _fetched count
         # Set by load_state_dict when the checkpoint's global batch (rows per step, all ranks) differs.
         self.resumed_with_other_batch = False
+        self.lookahead = lookahead
 
     def _resume_start(self) -> int:
         """Samples (all ranks) of the current epoch a pending resume skips (0 without one)."""
@@ -124,7 +130,9 @@ class ResumableDataLoader(DataLoader):
     def __iter__(self):
         self._start, self._fetched, self._loaded = self._resume_start(), 0, False
         self._pass_epoch = self.sampler.epoch
-        for batch in super().__iter__():
+        batches = super().__iter__()
+        # Batches pulled early for a look ahead are counted when handed out: the position stays the same.
+        for batch in looking_ahead(batches) if self.lookahead else batches:
             self._fetched += 1
             yield batch
 

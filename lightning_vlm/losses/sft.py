@@ -13,9 +13,9 @@ def sft_loss(
     """Mean NLL over all target tokens of the batch: -Σ mask·logp / Σ mask.
 
     Token-level mean (as TRL's SFT and HF's causal-LM loss), so long answers weigh more than short
-    ones. ``num_items_in_batch`` replaces the local Σ mask (TRL's name): under data parallelism the
-    token count of all ranks divided by the world size, so that DDP's gradient average is the mean
-    over every rank's tokens. An all-zero mask gives 0 (not NaN), so an empty batch cannot poison the
+    ones. ``num_items_in_batch`` replaces the local Σ mask (TRL's name): under data parallelism and
+    gradient accumulation the token count of the optimizer step's micro-batches on all ranks divided by
+    the world size, so that DDP's gradient average is the mean over every rank's tokens of the step. An all-zero mask gives 0 (not NaN), so an empty batch cannot poison the
     weights. A count of all ranks below 1 per rank (1 token on 2 ranks: 0.5) is kept as it is.
     """
     mask = mask.to(token_logps.dtype)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torchmetrics import MeanMetric
 
+from lightning_vlm.data.lookahead import LookaheadBatch
 from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.losses.sft import sft_loss, token_accuracy
 from lightning_vlm.methods.common import (
@@ -16,10 +17,11 @@ from lightning_vlm.methods.common import (
     greedy_answer_hits,
 )
 from lightning_vlm.methods.completions import CompletionRecorder, answer_samples
+from lightning_vlm.methods.step_tokens import StepTokens
 from lightning_vlm.methods.step_window import StepWindow, window_of
 from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_tokens
 from lightning_vlm.models.vlm import VLM
-from lightning_vlm.parallel.collectives import all_reduce_sum, mean_normalizer, world_size
+from lightning_vlm.parallel.collectives import all_reduce_sum
 from lightning_vlm.settings_check import check_count
 
 
@@ -45,38 +47,45 @@ class SFT(FactoryOptimized):
         self.generator = HFGenerator(vlm)
         self.train_token_accuracy = MeanMetric()
         self.step_window = StepWindow()
+        self.step_tokens = StepTokens(self._encode)
         self.val_loss = MeanMetric()
         self.val_token_accuracy = MeanMetric()
         self.val_answer_accuracy = MeanMetric()
         self.completion_recorder = CompletionRecorder()  # filled when LogCompletions asks
         self.val_new_tokens: int | None = None  # val_max_new_tokens, resolved at the first validation
 
-    def _loss_and_accuracy(
-        self, rows: list[dict], train: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        inputs = self.vlm.encode_sft(rows, max_length=self.hparams.max_length)
+    def _nll_and_accuracy(
+        self, inputs: dict
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(token log-probs, target mask, correct target tokens, target tokens) of encoded rows."""
         inputs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in inputs.items()}
         labels = inputs.pop("labels")
         mask = labels != -100
         logps, _, argmax = self.vlm.token_logps(inputs, mask, return_argmax=True)
         correct, total = token_accuracy(argmax, labels, mask)
-        # Training: a mean over the tokens of every rank's batch (the one-process loss under DDP).
-        tokens = mean_normalizer(total) if train else None
-        return sft_loss(logps, mask, tokens), correct, total
+        return logps, mask, correct, total
 
-    def training_step(self, rows: list[dict], batch_idx: int) -> torch.Tensor:
-        loss, correct, total = self._loss_and_accuracy(rows, train=True)
-        # The step's values over every rank's tokens, as one process logs them (one all-reduce). Each
-        # rank's loss is its token sum over the mean token count per rank (see mean_normalizer), so the
-        # mean over ranks is the token mean of the whole batch. Every rank feeds the same accuracy, so
-        # the epoch value torchmetrics syncs stays the token-weighted mean.
-        sums = all_reduce_sum(torch.stack([loss.detach().float(), correct.float(), total.float()]))
+    def _encode(self, rows: list[dict]) -> dict:
+        return self.vlm.encode_sft(rows, max_length=self.hparams.max_length)
+
+    def training_step(self, batch: LookaheadBatch | list[dict], batch_idx: int) -> torch.Tensor:
+        rows = batch.rows if isinstance(batch, LookaheadBatch) else batch
+        inputs, step_tokens = self.step_tokens.take(self, batch, batch_idx)
+        logps, mask, correct, total = self._nll_and_accuracy(inputs)
+        # The step's token mean over every rank's rows and every micro-batch (TRL's num_items_in_batch): each
+        # rank divides its sum by the step's tokens per rank (DDP averages ranks), and the factor undoes
+        # Lightning's division of each micro-batch by accumulate_grad_batches (see step_tokens).
+        loss = sft_loss(logps, mask, step_tokens) * self.trainer.accumulate_grad_batches
+        # The micro-batch's values over every rank's tokens, as one process logs them (one all-reduce). Every
+        # rank feeds the same accuracy, so the epoch value torchmetrics syncs stays the token-weighted mean.
+        nll = sft_loss(logps.detach(), mask, 1.0)  # the sum: a divisor of 1
+        sums = all_reduce_sum(torch.stack([nll.float(), correct.float(), total.float()]))
         accuracy = sums[1] / sums[2].clamp(min=1)
         self.train_token_accuracy.update(accuracy, weight=sums[2])
         # Over the step's micro-batches too (accumulate_grad_batches), weighted by their tokens.
         step = self.step_window.update(
             window_of(self, batch_idx),
-            {"loss": sums[0] / world_size(), "token_accuracy": accuracy},
+            {"loss": sums[0] / sums[2].clamp(min=1), "token_accuracy": accuracy},
             float(sums[2]),
         )
         for name, value in step.items():
@@ -86,7 +95,8 @@ class SFT(FactoryOptimized):
         return loss
 
     def validation_step(self, rows: list[dict], batch_idx: int) -> None:
-        loss, correct, total = self._loss_and_accuracy(rows)
+        logps, mask, correct, total = self._nll_and_accuracy(self._encode(rows))
+        loss = sft_loss(logps, mask)
         self.val_loss.update(loss, weight=total)
         self.val_token_accuracy.update(correct / total.clamp(min=1), weight=total)
         prompts, references = answer_accuracy_rows(rows)
