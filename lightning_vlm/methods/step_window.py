@@ -23,6 +23,24 @@ def window_of(module: L.LightningModule, batch_idx: int) -> tuple[int, int]:
     return module.current_epoch, batch_idx // module.trainer.accumulate_grad_batches
 
 
+def micro_batches_in_window(module: L.LightningModule, batch_idx: int) -> int:
+    """Micro-batches in training batch ``batch_idx``'s accumulation window: ``accumulate_grad_batches``,
+    fewer in an epoch's last (its end set by the loader or ``limit_train_batches``)."""
+    k = module.trainer.accumulate_grad_batches
+    return max(1, min(k, module.trainer.num_training_batches - (batch_idx - batch_idx % k)))
+
+
+def whole_step_scale(module: L.LightningModule, batch_idx: int) -> float:
+    """Makes an epoch's shorter last window a whole step: Lightning divides every micro-batch's loss by
+    ``accumulate_grad_batches``, so a last window of 1 micro-batch in 2 stepped by half its mean loss;
+    TRL divides by the micro-batches the step has. 1 where the strategy accumulates (DeepSpeed's engine
+    steps every ``accumulate_grad_batches`` micro-batches, across epochs)."""
+    trainer = module.trainer
+    if trainer.strategy.handles_gradient_accumulation:
+        return 1.0
+    return trainer.accumulate_grad_batches / micro_batches_in_window(module, batch_idx)
+
+
 class StepWindow:
     """Weighted means of one optimizer step's metrics over the micro-batches seen so far."""
 

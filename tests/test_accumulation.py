@@ -1,4 +1,5 @@
-"""SFT under gradient accumulation divides a step by all its target tokens (TRL's ``num_items_in_batch``).
+"""Gradient accumulation steps like one batch: SFT divides a step by all its target tokens (TRL's
+``num_items_in_batch``), and an epoch's shorter last step is a whole step for every offline method.
 
 The loader's look ahead is checked on its own; then whole runs: micro-batches of 2 or 1 accumulated to a
 step of 4 rows end with the weights of batches of 4, on answers of 1 to 5 words (a token mean per
@@ -18,6 +19,7 @@ from helpers import compose_train
 from lightning_vlm.data.lookahead import KEEP_BEHIND, LookaheadBatch
 from lightning_vlm.data.resumable import ResumableDataLoader
 from lightning_vlm.methods.step_tokens import StepTokens
+from lightning_vlm.methods.step_window import micro_batches_in_window, whole_step_scale
 from lightning_vlm.training import train
 
 
@@ -54,17 +56,19 @@ def test_a_look_too_far_back_is_an_error_not_another_batch():
 
 @pytest.fixture(scope="module")
 def sft_data(tmp_path_factory):
-    """The variable-length SFT rows, and a file of their first 6 (read in order)."""
+    """The variable-length SFT rows, and files of the first 6 SFT and preference rows (read in order)."""
     path = write_variable_length_data(tmp_path_factory.mktemp("step_tokens")) / "sft.jsonl"
-    six = path.with_name("sft6.jsonl")
-    six.write_text("".join(path.read_text().splitlines(keepends=True)[:6]))
+    for name, n in (("sft", 6), ("preference", 6), ("preference", 5)):
+        lines = path.with_name(f"{name}.jsonl").read_text().splitlines(keepends=True)
+        path.with_name(f"{name}{n}.jsonl").write_text("".join(lines[:n]))
     return path
 
 
 def _weights(overrides: list[str], tmp_path) -> dict[str, torch.Tensor]:
+    """The weights after training with ``overrides`` (a method among them)."""
     path = tmp_path / "weights.pt"
     # No clipping: a clipped step keeps only the gradient's direction, and a wrong divisor changes its size
-    train(compose_train([*COMMON, "method=sft", "trainer.gradient_clip_val=null", *overrides, "+callbacks.save._target_=ddp_helpers.SaveWeights",
+    train(compose_train([*COMMON, "trainer.gradient_clip_val=null", *overrides, "+callbacks.save._target_=ddp_helpers.SaveWeights",
                          f"+callbacks.save.path={path}"], tmp_path))  # fmt: skip
     return torch.load(path, weights_only=True)
 
@@ -85,7 +89,7 @@ def start_weights(tiny_path):
 
 @pytest.mark.parametrize("micro", [2, 1])
 def test_accumulated_micro_batches_update_like_one_batch(micro, sft_data, start_weights, tmp_path):
-    data = [f"data.train={sft_data}", "trainer.max_steps=2"]
+    data = ["method=sft", f"data.train={sft_data}", "trainer.max_steps=2"]
     whole = _weights([*data, "data.batch_size=4"], tmp_path / "whole")
     parts = _weights([*data, f"data.batch_size={micro}", f"trainer.accumulate_grad_batches={4 // micro}"],
                      tmp_path / "parts")  # fmt: skip
@@ -100,7 +104,7 @@ def test_accumulated_micro_batches_update_like_one_batch(micro, sft_data, start_
     ],
 )
 def test_the_epoch_s_short_last_window_is_the_token_mean_of_its_rows(cut, sft_data, start_weights, tmp_path):
-    in_order = ["data.shuffle=false", "trainer.max_steps=2"]
+    in_order = ["method=sft", "data.shuffle=false", "trainer.max_steps=2"]
     six = sft_data.with_name("sft6.jsonl")
     whole = _weights([*in_order, f"data.train={six}", "data.batch_size=4"], tmp_path / "whole")
     source = sft_data if cut else six
@@ -115,8 +119,9 @@ def test_the_first_rows_are_read_in_order(sft_data):
     assert len(rows) == 6 and rows[0]["images"] == ["0.png"]
 
 
-def _module(k: int, batches: int = 10) -> SimpleNamespace:
-    trainer = SimpleNamespace(accumulate_grad_batches=k, num_training_batches=batches)
+def _module(k: int, batches: int = 10, engine_accumulates: bool = False) -> SimpleNamespace:
+    strategy = SimpleNamespace(handles_gradient_accumulation=engine_accumulates)
+    trainer = SimpleNamespace(accumulate_grad_batches=k, num_training_batches=batches, strategy=strategy)
     return SimpleNamespace(trainer=trainer, current_epoch=0, device=torch.device("cpu"))
 
 
@@ -145,3 +150,35 @@ def test_a_loader_that_cannot_look_ahead_keeps_the_mean_of_the_micro_batches_mea
         assert tokens.take(_module(k=2), [3], 1)[1] == 2 * 3
     assert caplog.text.count("cannot look ahead") == 1
     assert tokens.take(_module(k=1), [1, 2], 0)[1] == 3
+
+
+@pytest.mark.parametrize(
+    ("method", "rows", "steps"),
+    [
+        (["method=dpo"], 6, 2),  # 6 pairs: steps of 4 and 2
+        # 5 rows, 10 unpaired: steps of 4, 4 and 2. Without KTO's KL term, estimated from the batch's
+        # mismatched pairs (batch-dependent).
+        (["method=kto", "method.loss_type=apo_zero_unpaired"], 5, 3),
+    ],
+    ids=["dpo", "kto"],
+)
+def test_an_epoch_s_short_last_step_is_a_whole_step_for_the_preference_methods(
+    method, rows, steps, sft_data, start_weights, tmp_path
+):
+    # Accumulated in micro-batches of 2, the last step has one micro-batch, which Lightning divides by
+    # accumulate_grad_batches=2 (a half step); TRL divides by the micro-batches the step has.
+    data = [f"data.train={sft_data.with_name(f'preference{rows}.jsonl')}", "data.shuffle=false",
+            f"trainer.max_steps={steps}"]  # fmt: skip
+    whole = _weights([*method, *data, "data.batch_size=4"], tmp_path / "whole")
+    parts = _weights([*method, *data, "data.batch_size=2", "trainer.accumulate_grad_batches=2"],
+                     tmp_path / "parts")  # fmt: skip
+    _assert_same_weights(whole, parts, start_weights)
+
+
+def test_an_epoch_s_last_window_holds_the_batches_left_and_steps_whole():
+    # 7 batches, 3 a step: windows [0, 1, 2], [3, 4, 5], [6]
+    assert [micro_batches_in_window(_module(3, 7), i) for i in range(7)] == [3, 3, 3, 3, 3, 3, 1]
+    assert [whole_step_scale(_module(3, 7), i) for i in (0, 5, 6)] == [1.0, 1.0, 3.0]
+    # DeepSpeed's engine steps every 3 micro-batches across epochs: Lightning's windows are not its steps
+    assert whole_step_scale(_module(3, 7, engine_accumulates=True), 6) == 1.0
+    assert whole_step_scale(_module(1, 7), 6) == 1.0
