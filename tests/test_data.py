@@ -151,6 +151,22 @@ def test_synthetic_is_deterministic_and_val_disjoint():
     assert [r["messages"] for r in all_rows(s1)] == [r["messages"] for r in all_rows(s2)]
 
 
+@pytest.mark.parametrize(("split", "val_split"), [("test", "validation"), ("train", "train")])
+def test_synthetic_validation_is_held_out_whatever_the_splits_are_named(split, val_split):
+    # The seed follows the rows' role: named "test", training rows drew the validation seed (every row
+    # validated was trained on), and a validation split named "train" drew the training seed.
+    dm = SFTDataModule(synthetic=SMALL, split=split, val_split=val_split, shuffle=False)
+    dm.setup()
+    train = {np.asarray(dm.train_dataset[i]["images"][0]).tobytes() for i in range(len(dm.train_dataset))}
+    val = {np.asarray(dm.val_dataset[i]["images"][0]).tobytes() for i in range(len(dm.val_dataset))}
+    assert len(train) == 6 and len(val) == 4 and not train & val
+
+
+def test_a_slice_of_the_synthetic_task_is_refused_not_ignored():
+    with pytest.raises(SourceError, match=r"no splits to slice, got split 'train\[:80%\]'.*num_train"):
+        SFTDataModule(synthetic=SMALL, split="train[:80%]").setup()
+
+
 def test_val_fraction_holds_out_disjoint_rows():
     dm = PromptDataModule(train={"path": "synthetic", "num_samples": 10}, val_fraction=0.3, seed=1)
     dm.setup()

@@ -145,15 +145,18 @@ class VLMDataModule(L.LightningDataModule):
         self.train_dataset: RowDataset | None = None
         self.val_dataset: RowDataset | None = None
 
-    def _synthetic(self, split: str) -> dict:
+    def _synthetic(self, role: str) -> dict:
+        """The synthetic task's options for rows of ``role`` (``train`` or ``validation``)."""
         options = {**SYNTHETIC_OPTIONS, **(plain(self.hparams.synthetic) or {})}
         seed = self.hparams.seed if options["seed"] is None else options["seed"]
-        num = options["num_train"] if split == "train" else options["num_val"]
+        num = options["num_train"] if role == "train" else options["num_val"]
         return {
             "num_samples": num,
             "seed": seed,
             "kinds": options["kinds"],
             "image_size": options["image_size"],
+            # By role, not by split name: data.split=test must not draw the training rows' validation seed.
+            "held_out": role != "train",
         }
 
     def _synthetic_val_spec(self) -> dict:
@@ -162,9 +165,9 @@ class VLMDataModule(L.LightningDataModule):
         spec = dict(train) if isinstance(train, dict) else {"path": train}
         return {k: v for k, v in spec.items() if k not in ("num_samples", "split")}
 
-    def load(self, spec: str | dict, split: str, synthetic_split: str) -> Source:
+    def load(self, spec: str | dict, split: str, role: str) -> Source:
         """The raw rows of one source spec (``load_source``); subclasses may reshape them."""
-        return load_source(spec, self.shape, split, self._synthetic(synthetic_split))
+        return load_source(spec, self.shape, split, self._synthetic(role))
 
     def row_limit(self, source: Source, limit: int | None) -> int | None:
         """How many of ``source``'s first rows ``data.max_samples`` (or ``max_val_samples``) keeps."""
@@ -196,7 +199,7 @@ class VLMDataModule(L.LightningDataModule):
                 )
         elif hp.val is not None or train.trusted:
             spec = hp.val if hp.val is not None else self._synthetic_val_spec()
-            val = self.load(spec, hp.val_split, hp.val_split)
+            val = self.load(spec, hp.val_split, "validation")  # its role: held out, whatever its name
             # the scan reads no further than the limit
             limit = self.row_limit(val, hp.max_val_samples)
             val_indices, skipped = scan(val, self.row_format, limit, hp.on_bad_row)
@@ -309,8 +312,8 @@ class UnpairedDataModule(VLMDataModule):
 
     shape = "unpaired"
 
-    def load(self, spec: str | dict, split: str, synthetic_split: str) -> Source:
-        return unpair(super().load(spec, split, synthetic_split), self.row_format.column_map)
+    def load(self, spec: str | dict, split: str, role: str) -> Source:
+        return unpair(super().load(spec, split, role), self.row_format.column_map)
 
     def row_limit(self, source: Source, limit: int | None) -> int | None:
         """Whole pairs of a pair source: an odd limit cut the last pair in half, one more desirable row

@@ -156,11 +156,22 @@ def synthetic_source(
     seed: int = 0,
     kinds: Sequence[str] = ("color",),
     image_size: int = 112,
+    held_out: bool | None = None,
 ) -> Source:
-    """The synthetic task; the train split draws from ``seed`` and every other split from ``seed + 1``."""
+    """The synthetic task: training rows draw from ``seed``, held-out rows (validation) from ``seed + 1``.
+
+    ``held_out`` is the rows' role (None: every split but ``train`` is held out); ``split`` only names them.
+    The task has no splits to slice: a slice would be ignored, so it is refused.
+    """
+    if "[" in split:
+        raise SourceError(
+            f"the synthetic source has no splits to slice, got split {split!r}: size it with "
+            "data.synthetic.num_train / num_val (or data.max_samples)"
+        )
+    held_out = split != "train" if held_out is None else held_out
     # make_sample seeds sample i with seed * 1_000_003 + i, so neighbouring seeds never share a
     # sample below a million rows: validation rows are never training rows.
-    split_seed = seed if split == "train" else seed + 1
+    split_seed = seed + 1 if held_out else seed
     rows = SyntheticRows(shape, num_samples, split_seed, kinds, image_size)
     return Source(rows, f"synthetic [{split}, seed {split_seed}]", trusted=True)
 
