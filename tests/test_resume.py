@@ -193,6 +193,19 @@ def test_a_resume_with_a_larger_batch_trains_the_rest_of_the_epoch(tmp_path, cap
     assert any("at 4 rows a step with 1 processes at 8 rows a step" in r.getMessage() for r in caplog.records)
 
 
+def test_a_resume_with_a_larger_batch_steps_the_epoch_s_last_micro_batch(tmp_path):
+    # 12 of 64 rows done, 52 left in batches of 8: 7 batches, Lightning told 1 of 8 is done. Rounded down
+    # to whole accumulations (0 done), Lightning expected 8 batches, so the loader ran out before the
+    # epoch's end: the 7th batch's gradient was never stepped (and zeroed at the next epoch).
+    mid = _checkpoint_at(3, tmp_path / "a")
+    resume = [*COMMON, "data.batch_size=8", "trainer.accumulate_grad_batches=2", "trainer.max_steps=-1",
+              "trainer.max_epochs=1", f"ckpt_path={mid}"]  # fmt: skip
+    _, resumed = train(compose_train(resume, tmp_path / "b"))
+    # windows [1], [2, 3], [4, 5], [6, 7] of Lightning's count: the first finishes the interrupted one
+    assert resumed["trainer"].global_step == 3 + 4
+    assert resumed["trainer"].train_dataloader.state_dict()["samples"] == 64
+
+
 def test_the_batch_count_after_a_resume_follows_limit_train_batches(tmp_path):
     # limit_train_batches=4 cut the count the repair compared with the loader's whole epoch: 0 batches
     # counted done, so the resumed epoch ran 4 more batches of 8 instead of the 3 its limit leaves.

@@ -48,9 +48,10 @@ class BatchCountAfterResume(L.Callback):
             return
         # Against the loader's whole epoch (len), not limit_train_batches' cut: the loader counts that.
         done = max(0, len(loader) - loader.batches_left())
-        # Lightning steps when the count is a multiple of accumulate_grad_batches (or at the epoch's last
-        # batch): rounding down keeps whole accumulations, and the loader still ends the epoch.
-        done -= done % trainer.accumulate_grad_batches
+        # Not rounded to whole accumulations (accumulate_grad_batches): Lightning steps when its count is a
+        # multiple of k or reaches the epoch's length, so a count rounded down never reached the length
+        # and the epoch's last micro-batch was never stepped. Unrounded, the first window is the rest of the
+        # interrupted one, as after a resume at the same batch size.
         current = trainer.fit_loop.epoch_loop.batch_progress.current
         # All four move together: a checkpoint saved at a batch's end holds completed = ready - 1.
         shift = done - current.ready
