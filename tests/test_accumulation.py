@@ -182,3 +182,14 @@ def test_an_epoch_s_last_window_holds_the_batches_left_and_steps_whole():
     # DeepSpeed's engine steps every 3 micro-batches across epochs: Lightning's windows are not its steps
     assert whole_step_scale(_module(3, 7, engine_accumulates=True), 6) == 1.0
     assert whole_step_scale(_module(1, 7), 6) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("engine", "batches", "warned"), [(True, 7, True), (True, 6, False), (False, 7, False)]
+)
+def test_deepspeed_steps_across_epochs_are_warned_of(engine, batches, warned, caplog):
+    from lightning_vlm.methods.common import warn_steps_across_epochs
+
+    with caplog.at_level("WARNING"):
+        warn_steps_across_epochs(_module(3, batches, engine_accumulates=engine).trainer)
+    assert ("cross epoch ends" in caplog.text) == warned

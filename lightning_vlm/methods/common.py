@@ -82,6 +82,24 @@ class FactoryOptimized(L.LightningModule):
     def configure_optimizers(self) -> Any:
         return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory)
 
+    def on_train_start(self) -> None:
+        warn_steps_across_epochs(self.trainer)
+
+
+def warn_steps_across_epochs(trainer: L.Trainer) -> None:
+    """Warns when DeepSpeed's optimizer steps will straddle epochs. Its engine steps every
+    ``accumulate_grad_batches`` micro-batches counted over the whole run, while Lightning and the methods
+    close a step at each epoch's end (SFT's token count, DPO's and KTO's short last step): where an epoch's
+    batches are no multiple of k, the engine's steps mix two epochs' windows, each normalised as its own."""
+    k, batches = trainer.accumulate_grad_batches, trainer.num_training_batches
+    if trainer.strategy.handles_gradient_accumulation and k > 1 and batches != float("inf") and batches % k:
+        log.warning(
+            "DeepSpeed with trainer.accumulate_grad_batches=%d and %d batches an epoch: its optimizer steps "
+            "cross epoch ends, so their loss normalisation is not the whole step's; choose data.batch_size "
+            "(or trainer.limit_train_batches) so an epoch has a multiple of %d batches",
+            k, batches, k,
+        )  # fmt: skip
+
 
 def _warn_half_precision_updates(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer) -> None:
     # bf16 keeps 8 significant bits: an update below ~0.4% of a weight rounds away, so a 1e-6 AdamW
