@@ -34,6 +34,14 @@ WANDB_RUN_KEY = "wandb_run"
 STEP_METRIC = "trainer/global_step"
 
 
+def logged_step(trainer: L.Trainer) -> int:
+    """The step Lightning gives the loggers for the metrics logged now: one per training batch, however many
+    optimizer steps it ran (an online method's ``steps_per_generation``). What the run logs beside its
+    metrics (W&B tables, images) takes it too: one x-axis, and a resumed run's history ends where its
+    metrics do (``ResumingWandbLogger``), not at a table's optimizer step."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
 def wandb_account_configured() -> bool:
     """True when wandb has credentials: WANDB_API_KEY, or a `wandb login` entry in ~/.netrc."""
     if os.environ.get("WANDB_API_KEY"):

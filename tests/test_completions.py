@@ -7,9 +7,13 @@ import json
 import struct
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import lightning as L
 import pytest
+import torch
 import wandb
+from lightning.pytorch.loggers import WandbLogger
 from PIL import Image
 from wandb.proto import wandb_internal_pb2
 
@@ -179,3 +183,70 @@ def test_a_second_write_at_the_same_step_keeps_each_lines_own_image(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / JSONL_NAME).read_text().splitlines()]
     pixels = [Image.open(tmp_path / line["image"]).getpixel((0, 0)) for line in lines]
     assert pixels == [(255, 0, 0), (0, 0, 255)]
+
+
+class _StepsLogger(WandbLogger):
+    """Records the step of every W&B log call (metrics, tables, images), logging nothing."""
+
+    def __init__(self, save_dir) -> None:
+        # A stand-in run: no wandb run starts (nor its folder, nor a run later loggers would reuse)
+        super().__init__(
+            save_dir=str(save_dir), offline=True, experiment=SimpleNamespace(id="run", dir=str(save_dir))
+        )
+        self.steps: list[tuple[int | None, list[str]]] = []
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.steps.append((step, sorted(k for k in metrics if k != "epoch")))
+
+    def log_hyperparams(self, *args, **kwargs) -> None:
+        pass
+
+    def save(self) -> None:
+        pass
+
+    def finalize(self, status) -> None:
+        pass
+
+
+class _TwoStepsABatch(L.LightningModule):
+    """An online method's shape: two optimizer steps per batch, a completion recorded per batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer, self.automatic_optimization = torch.nn.Linear(2, 1), False
+        self.completion_recorder = CompletionRecorder()
+
+    def training_step(self, batch, batch_idx) -> None:
+        if self.completion_recorder.wants("train"):
+            self.completion_recorder.record("train", [CompletionSample("p", "c", None, {"reward": 1.0})])
+        opt = self.optimizers()
+        for _ in range(2):
+            opt.zero_grad()
+            self.manual_backward(self.layer(batch[0]).sum())
+            opt.step()
+        self.log("train/reward", float(batch_idx))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_tables_go_to_wandb_at_the_step_its_metrics_take(tmp_path):
+    # Lightning logs metrics once per batch (generation), while global_step counts optimizer steps: tables
+    # at global_step ran ahead of the metrics (0, 2, 4 ... against 1, 3, 5), and a resumed run's W&B
+    # history, read from its last logged step, then skipped metrics it never had.
+    from lightning_vlm.callbacks.completions import LogCompletions
+    from lightning_vlm.callbacks.run_report import RunReport
+
+    logger, report = _StepsLogger(tmp_path), RunReport(str(tmp_path), {"reward": ["train/reward"]})
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(6, 2)), batch_size=1)
+    trainer = L.Trainer(max_steps=12, logger=logger, callbacks=[LogCompletions(True, 0, None), report],
+                        log_every_n_steps=2,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        accelerator="cpu", default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(_TwoStepsABatch(), data)
+    tables = [step for step, keys in logger.steps if keys == ["completions"]]
+    metrics = [step for step, keys in logger.steps if "train/reward" in keys]
+    assert trainer.global_step == 12 and metrics == [1, 3, 5]
+    assert tables == [0, 1, 2, 3, 4, 5]  # one a batch (log_every_n_steps=2 optimizer steps), at its batch
+    report.finish(trainer)  # the curves image, after the last batch
+    assert [step for step, keys in logger.steps if keys == ["curves"]] == [6]

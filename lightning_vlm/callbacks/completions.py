@@ -29,6 +29,7 @@ import lightning as L
 from lightning.pytorch.loggers import WandbLogger
 from tqdm import tqdm
 
+from lightning_vlm.loggers import logged_step
 from lightning_vlm.methods.completions import CompletionRecorder, CompletionSample, RecordsCompletions
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class LogCompletions(L.Callback):
         self.num_completions_to_print = num_completions_to_print
         self.log_completions_steps = log_completions_steps
         self._last_bucket: int | None = None
-        self._train_step = 0
+        self._train_step = self._train_logged_step = 0
         self._warned_no_rich = False
 
     # ---- asking the method for samples -----------------------------------------------------------------
@@ -84,6 +85,7 @@ class LogCompletions(L.Callback):
         bucket = trainer.global_step // (self.log_completions_steps or max(trainer.log_every_n_steps, 1))
         if bucket != self._last_bucket:
             self._last_bucket, self._train_step = bucket, trainer.global_step
+            self._train_logged_step = logged_step(trainer)
             recorder.request("train")
 
     def on_train_batch_end(
@@ -92,7 +94,7 @@ class LogCompletions(L.Callback):
         recorder = self._recorder(trainer, pl_module)
         if recorder is not None:
             # The step whose policy generated them (the batch's optimizer steps came after).
-            self.write(trainer, "train", self._train_step, recorder.take("train"))
+            self.write(trainer, "train", self._train_step, recorder.take("train"), self._train_logged_step)
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         recorder = self._recorder(trainer, pl_module)
@@ -102,26 +104,34 @@ class LogCompletions(L.Callback):
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         recorder = self._recorder(trainer, pl_module)
         if recorder is not None:
-            self.write(trainer, "val", trainer.global_step, recorder.take("val"))
+            self.write(trainer, "val", trainer.global_step, recorder.take("val"), logged_step(trainer))
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if isinstance(pl_module, RecordsCompletions):
             pl_module.completion_recorder.clear()
 
     # ---- writing them out ---------------------------------------------------------------------------------
-    def write(self, trainer: L.Trainer, stage: str, step: int, samples: list[CompletionSample]) -> None:
-        """Send ``samples`` to every W&B logger, to the JSONL file (other loggers) and to the console."""
+    def write(
+        self, trainer: L.Trainer, stage: str, step: int, samples: list[CompletionSample], logger_step: int
+    ) -> None:
+        """Send ``samples`` to every W&B logger, to the JSONL file (other loggers) and to the console.
+
+        ``step`` is the optimizer step (the table's column, the file's and the console's, as checkpoints
+        and curves count); ``logger_step`` the loggers' x-axis of the metrics logged with them
+        (``logged_step``)."""
         if not samples:
             return
         wandb_loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
         for logger in wandb_loggers:
-            self._log_table(logger, stage, step, samples)
+            self._log_table(logger, stage, step, samples, logger_step)
         if len(wandb_loggers) < len(trainer.loggers) or not trainer.loggers:
             append_jsonl(Path(trainer.default_root_dir), stage, step, samples)
         self._print(stage, step, samples)
 
     @staticmethod
-    def _log_table(logger: WandbLogger, stage: str, step: int, samples: list[CompletionSample]) -> None:
+    def _log_table(
+        logger: WandbLogger, stage: str, step: int, samples: list[CompletionSample], logger_step: int
+    ) -> None:
         import wandb
 
         # One wandb.Image per distinct image: the G completions of a prompt share their prompt's.
@@ -132,7 +142,7 @@ class LogCompletions(L.Callback):
                 images[id(s.image)] = wandb.Image(s.image)
             image = images[id(s.image)] if s.image is not None else None
             data.append([step, image, s.prompt, s.completion, *s.values.values()])
-        logger.log_table(TABLE_KEYS[stage], columns=columns(samples), data=data, step=step)
+        logger.log_table(TABLE_KEYS[stage], columns=columns(samples), data=data, step=logger_step)
 
     def _print(self, stage: str, step: int, samples: list[CompletionSample]) -> None:
         shown = samples[: self.num_completions_to_print]

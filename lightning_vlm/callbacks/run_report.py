@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import WandbLogger
 
 from lightning_vlm.callbacks.curves import PanelAssigner, plot_curves
 from lightning_vlm.callbacks.export import ExportHFModel
+from lightning_vlm.loggers import logged_step
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class RunReport(L.Callback):
             curves = plot_curves(self.history, self.drawn, self.curves_path, dpi=self.dpi)
             for logger in trainer.loggers:
                 if isinstance(logger, WandbLogger):
-                    logger.log_image(key="curves", images=[str(curves)], step=trainer.global_step)
+                    logger.log_image(key="curves", images=[str(curves)], step=logged_step(trainer))
         emit(report_lines(trainer, self.dirpath, curves))
 
 
