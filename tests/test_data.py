@@ -167,6 +167,51 @@ def test_a_slice_of_the_synthetic_task_is_refused_not_ignored():
         SFTDataModule(synthetic=SMALL, split="train[:80%]").setup()
 
 
+def _blobs(mask: np.ndarray) -> int:
+    """Connected groups of True pixels, neighbours including diagonals."""
+    seen, blobs = np.zeros_like(mask), 0
+    for start in zip(*np.nonzero(mask), strict=True):
+        if seen[start]:
+            continue
+        blobs, stack = blobs + 1, [start]
+        seen[start] = True
+        while stack:
+            y, x = stack.pop()
+            for dy in (-1, 0, 1):
+                for dx in (-1, 0, 1):
+                    q = (y + dy, x + dx)
+                    if 0 <= q[0] < mask.shape[0] and 0 <= q[1] < mask.shape[1] and mask[q] and not seen[q]:
+                        seen[q] = True
+                        stack.append(q)
+    return blobs
+
+
+@pytest.mark.parametrize("kind", ["count", "count_cells"])
+def test_counted_shapes_never_touch(kind):
+    # Drawn to their box's right and bottom pixel, a cell's shape reached into the next cell, where another
+    # shape could start (count: 43 of 2688 samples with several shapes), or touched it (count_cells: 66):
+    # two shapes of one colour read as one.
+    from lightning_vlm.data.synthetic import COLORS, COUNTS, make_sample
+    from lightning_vlm.data.vqa import make_vqa_sample
+
+    draw = make_sample if kind == "count" else make_vqa_sample
+    checked = 0
+    for index in range(1500):
+        sample = draw(0, index, (kind,), 32)
+        count = COUNTS.index(sample.answer) + 1
+        if count == 1:
+            continue
+        pixels = np.asarray(sample.image)
+        # the shapes' colour: the one colour in the image that is not its background (the corner pixel)
+        colours = {tuple(c) for c in pixels.reshape(-1, 3)} - {tuple(pixels[0, 0])}
+        if tuple(pixels[0, 0]) in COLORS.values():  # a shape covers the corner: read the colour elsewhere
+            continue
+        (colour,) = colours
+        assert _blobs((pixels == colour).all(axis=2)) == count, f"sample {index}: {sample.answer}"
+        checked += 1
+    assert checked > 500
+
+
 def test_val_fraction_holds_out_disjoint_rows():
     dm = PromptDataModule(train={"path": "synthetic", "num_samples": 10}, val_fraction=0.3, seed=1)
     dm.setup()

@@ -84,19 +84,22 @@ def make_sample(seed: int, index: int, kinds: Sequence[str] = ("color",), image_
     image = Image.new("RGB", (image_size, image_size), background)
     draw = ImageDraw.Draw(image)
     # Shapes of one image share colour and kind; several are drawn in separate grid cells so that
-    # counting is well defined (no overlaps).
+    # counting is well defined: PIL's box includes its right and bottom pixels, so a cell's shape ends
+    # 2 pixels inside its box, leaving the cell's last row and column empty. Two shapes never touch.
     cells = rng.sample(range(4), count) if count > 1 else [None]
     for cell in cells:
         if cell is None:
             size = rng.randint(image_size // 3, image_size * 2 // 3)
             x0 = rng.randint(0, image_size - size)
             y0 = rng.randint(0, image_size - size)
+            box = (x0, y0, x0 + size, y0 + size)
         else:
             half = image_size // 2
             size = rng.randint(half // 2, half - 4)
             x0 = (cell % 2) * half + rng.randint(0, half - size)
             y0 = (cell // 2) * half + rng.randint(0, half - size)
-        _draw_shape(draw, shape, (x0, y0, x0 + size, y0 + size), COLORS[color])
+            box = (x0, y0, x0 + size - 2, y0 + size - 2)
+        _draw_shape(draw, shape, box, COLORS[color])
 
     answer = {"color": color, "shape": shape, "count": COUNTS[count - 1]}[kind]
     wrong = rng.choice([a for a in ANSWERS[kind] if a != answer])

@@ -128,8 +128,9 @@ def _count_cells(rng: random.Random, image_size: int) -> tuple[Image.Image, str,
         size = rng.randint(half * 2 // 3, half - 2)
         x0 = (cell % 2) * half + rng.randint(0, half - size)
         y0 = (cell // 2) * half + rng.randint(0, half - size)
-        # PIL's boxes include their right and bottom pixel: this one stays inside its cell.
-        _draw_shape(draw, rng.choice(SHAPES), (x0, y0, x0 + size - 1, y0 + size - 1), COLORS[color])
+        # PIL's boxes include their right and bottom pixel: this one ends a pixel inside its cell, so that
+        # shapes of neighbouring cells (one colour) never touch and read as one.
+        _draw_shape(draw, rng.choice(SHAPES), (x0, y0, x0 + size - 2, y0 + size - 2), COLORS[color])
     answer = COUNTS[count - 1]
     return image, VQA_QUESTIONS["count_cells"], answer, rng.choice([w for w in COUNTS if w != answer])
 
