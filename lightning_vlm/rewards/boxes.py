@@ -191,7 +191,9 @@ def _box_reward(
 
     def score(text: str, reference: Box) -> float:
         box = parse_box(text, box_format)
-        if box is None:
+        # No box, or one whose area overflows ([0, 0, 1e200, 1e200]: inf, and GIoU's hull term inf / inf
+        # NaN, which the trainer reads as unscored, above the floor a wrong box gets)
+        if box is None or not math.isfinite(_area(box)):
             return floor
         clipped = _clip(box, coordinates)
         # A box wholly past the edge clips to a sliver of no area on it, which GIoU would score as a
