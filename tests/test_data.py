@@ -162,6 +162,20 @@ def test_synthetic_validation_is_held_out_whatever_the_splits_are_named(split, v
     assert len(train) == 6 and len(val) == 4 and not train & val
 
 
+@pytest.mark.parametrize(
+    ("synthetic", "message"),
+    [
+        ({"kinds": []}, "data.synthetic.kinds is empty"),
+        # sample 0 drew a colour question, which fits 12 pixels: the count question failed mid-run
+        ({"kinds": ["color", "count"], "image_size": 12}, "image_size must be an integer >= 16.*got 12"),
+        ({"image_size": 0}, "got 0"),
+    ],
+)
+def test_synthetic_settings_that_cannot_draw_are_refused_naming_them(synthetic, message):
+    with pytest.raises(ValueError, match=message):
+        SFTDataModule(synthetic={**SMALL, **synthetic}).setup()
+
+
 def test_a_slice_of_the_synthetic_task_is_refused_not_ignored():
     with pytest.raises(SourceError, match=r"no splits to slice, got split 'train\[:80%\]'.*num_train"):
         SFTDataModule(synthetic=SMALL, split="train[:80%]").setup()

@@ -37,6 +37,9 @@ SPEC_KEYS: tuple[str, ...] = ("path", "subset", "split", "num_samples", "seed", 
 SYNTHETIC_DEFAULTS: dict[str, Any] = {"num_samples": 256, "seed": 0, "kinds": ("color",), "image_size": 112}
 
 
+MIN_IMAGE_SIZE = 16  # the smallest image every synthetic kind draws (grounding: 16, count: 14)
+
+
 class SyntheticRows(Sequence):
     """The synthetic task as a lazy sequence of raw rows: sample ``i`` is drawn only when asked for."""
 
@@ -45,6 +48,14 @@ class SyntheticRows(Sequence):
     ) -> None:
         if shape not in ROW_BUILDERS:
             raise ValueError(f"unknown data shape {shape!r}; expected one of {tuple(ROW_BUILDERS)}")
+        if not kinds:
+            raise ValueError("data.synthetic.kinds is empty: name at least one kind, e.g. [color]")
+        # Checked here: a size too small for a kind fails only at the first sample of that kind, mid-run.
+        if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < MIN_IMAGE_SIZE:
+            raise ValueError(
+                f"data.synthetic.image_size must be an integer >= {MIN_IMAGE_SIZE} (pixels; the grounding and "
+                f"counting kinds draw their grids in no less), got {image_size!r}"
+            )
         # "grounding" (a box for a named colour, data/grounding.py) is a task of its own: its answers
         # are boxes for iou_reward, not words, so it does not mix with the question kinds.
         self.grounding = "grounding" in kinds
