@@ -88,6 +88,15 @@ def test_a_hub_base_model_goes_into_the_card_metadata():
     assert "grpo" in card.data.tags and "| `val/reward` | 0.5 |" in card.text
 
 
+@pytest.mark.parametrize("base", ["Qwen/Qwen2.5-VL-3B-Instruct", "/models/local-base"])
+def test_an_adapter_s_card_says_peft_and_loads_it_onto_its_base(base):
+    card = model_card(base, "grpo", "task_name: grpo\n", "the config", {}, "me/tiny-grpo-lora", adapter=True)
+    assert card.data.library_name == "peft"
+    assert 'PeftModel.from_pretrained(base, "me/tiny-grpo-lora")' in card.text
+    assert f'AutoModelForImageTextToText.from_pretrained("{base}")' in card.text
+    assert ("load it from `/models/local-base`" in card.text) == base.startswith("/")
+
+
 def _card_metrics(folder) -> dict[str, float]:
     rows = [line.split("|") for line in ModelCard.load(folder / "README.md").text.splitlines()]
     return {

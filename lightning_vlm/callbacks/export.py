@@ -128,9 +128,9 @@ class ExportHFModel(L.Callback):
         config, source = self._config_text(pl_module)
         method = _method_name(config, pl_module)
         name = self.hub_model_id or self.dirpath.name
-        model_card(pl_module.vlm.model_name_or_path, method, config, source, metrics, name).save(
-            self.dirpath / "README.md"
-        )
+        adapter = pl_module.vlm.is_lora and not self.merge_lora
+        card = model_card(pl_module.vlm.model_name_or_path, method, config, source, metrics, name, adapter)
+        card.save(self.dirpath / "README.md")
 
     def _upload(self) -> str:
         api = HfApi()
@@ -211,12 +211,19 @@ def _is_hub_id(name: str) -> bool:
 
 
 def model_card(
-    base_model: str, method: str, config: str, config_source: str, metrics: dict[str, float], name: str
+    base_model: str,
+    method: str,
+    config: str,
+    config_source: str,
+    metrics: dict[str, float],
+    name: str,
+    adapter: bool = False,
 ) -> ModelCard:
     """A model card: Hub metadata (library, tags, base model) and a body with the method, the final
-    metrics and the config."""
+    metrics, how to load it and the config. ``adapter``: a LoRA adapter (``merge_lora=false``), which the
+    Hub lists under peft and which loads onto its base model."""
     data = ModelCardData(
-        library_name="transformers",
+        library_name="peft" if adapter else "transformers",
         pipeline_tag="image-text-to-text",
         tags=[*CARD_TAGS, method],
         base_model=base_model if _is_hub_id(base_model) else None,
@@ -238,12 +245,7 @@ A vision-language model trained with **{method}** by lightning-vlm, starting fro
 
 ## Usage
 
-```python
-from transformers import AutoModelForImageTextToText, AutoProcessor
-
-model = AutoModelForImageTextToText.from_pretrained("{name}")
-processor = AutoProcessor.from_pretrained("{name}")
-```
+{_usage(name, base_model, adapter)}
 
 ## Training configuration
 
@@ -254,3 +256,24 @@ processor = AutoProcessor.from_pretrained("{name}")
 ```
 """
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+
+
+def _usage(name: str, base_model: str, adapter: bool) -> str:
+    if not adapter:
+        return f"""```python
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+model = AutoModelForImageTextToText.from_pretrained("{name}")
+processor = AutoProcessor.from_pretrained("{name}")
+```"""
+    where = "" if _is_hub_id(base_model) else f"\n\nIts base is a local model: load it from `{base_model}`."
+    return f"""A LoRA adapter: load its base model, then the adapter onto it.{where}
+
+```python
+from peft import PeftModel
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+base = AutoModelForImageTextToText.from_pretrained("{base_model}")
+model = PeftModel.from_pretrained(base, "{name}")
+processor = AutoProcessor.from_pretrained("{name}")
+```"""
