@@ -250,3 +250,10 @@ def test_tables_go_to_wandb_at_the_step_its_metrics_take(tmp_path):
     assert tables == [0, 1, 2, 3, 4, 5]  # one a batch (log_every_n_steps=2 optimizer steps), at its batch
     report.finish(trainer)  # the curves image, after the last batch
     assert [step for step, keys in logger.steps if keys == ["curves"]] == [6]
+
+
+def test_values_json_cannot_hold_are_written_as_null():
+    from lightning_vlm.methods.completions import _number
+
+    # NaN (a reward function's None) and an infinite reward: json.dumps writes NaN / Infinity, not JSON
+    assert [_number(v) for v in (float("nan"), float("inf"), -float("inf"), 0.5)] == [None, None, None, 0.5]

@@ -91,8 +91,9 @@ def first_image(row: dict) -> Any | None:
 
 
 def _number(value: float) -> float | None:
-    # A reward function's None is NaN in the score matrix; None again here (NaN is not JSON).
-    return None if math.isnan(value) else value
+    # A reward function's None is NaN in the score matrix; None again here (NaN is not JSON), and so is an
+    # infinite reward (json.dumps writes Infinity, which JSON readers refuse).
+    return value if math.isfinite(value) else None
 
 
 def rollout_samples(batch: RolloutBatch, reward_names: Sequence[str]) -> list[CompletionSample]:
