@@ -108,6 +108,20 @@ def test_a_failing_reward_function_is_named(tiny_path, rows):
         fit_steps(module, rows)
 
 
+def test_reward_functions_are_called_as_trl_calls_them(tiny_path, rows):
+    # TRL's reward functions for conversational data read c[0]["content"] and may take trainer_state
+    vlm = VLM(tiny_path("qwen2_5_vl"))
+    seen = []
+
+    def trl_style(completions, trainer_state, prompts, **kwargs):
+        seen.append((trainer_state.global_step, trainer_state.max_steps, prompts[0][0]["role"]))
+        return [float(len(c[0]["content"])) for c in completions]
+
+    module = GRPO(vlm, optimizer=sgd(), reward_funcs=[trl_style], num_generations=2, max_completion_length=4)
+    fit_steps(module, rows, steps=2)
+    assert seen == [(0, 2, "user"), (1, 2, "user")]  # a generation per step, each at its step
+
+
 @pytest.mark.parametrize(
     ("cls", "kwargs", "setting"),
     [

@@ -19,7 +19,7 @@ from lightning_vlm.methods.dynamic_sampling import DynamicSampling, collect
 from lightning_vlm.methods.online_metrics import log_synced
 from lightning_vlm.methods.rollout_buffer import reward_columns
 from lightning_vlm.parallel.collectives import all_reduce_sum
-from lightning_vlm.rewards.scoring import RewardScorer
+from lightning_vlm.rewards.scoring import RewardScorer, TrainerState
 
 # Seed offset between generation rounds of one step: far beyond any step count, so no two
 # (step, rank, round) share a seed, and round 0 keeps the seed of runs without dynamic sampling.
@@ -91,10 +91,18 @@ class RolloutSampling(L.LightningModule):
         return bool(rollouts.extras.get("is_policy", self.generator.is_policy))
 
     def score(self, rollouts: Rollouts) -> tuple[torch.Tensor, list[str]]:
-        """[N, F] rewards (NaN for None); each function gets the completions, every row column, and the
-        chat template's ``generation_prompt`` (what precedes every completion, e.g. a prefilled ``<think>``)."""
-        columns = {**reward_columns(rollouts), "generation_prompt": self.vlm.generation_prompt}
-        return self.scorer(rollouts.completion_texts, columns)
+        """[N, F] rewards (NaN for None); each function gets the completions as TRL passes them for
+        conversational prompts (VLM prompts always are: one assistant message each), every row column,
+        TRL's ``trainer_state`` and the chat template's ``generation_prompt`` (what precedes every
+        completion, e.g. a prefilled ``<think>``)."""
+        trainer = self._trainer  # None outside fit (scoring rollouts by hand): step 0 of no set length
+        state = TrainerState(trainer.global_step, trainer.current_epoch, trainer.max_steps) if trainer else (
+            TrainerState(0, 0, -1)
+        )  # fmt: skip
+        columns = {**reward_columns(rollouts), "generation_prompt": self.vlm.generation_prompt,
+                   "trainer_state": state}  # fmt: skip
+        completions = [[{"role": "assistant", "content": text}] for text in rollouts.completion_texts]
+        return self.scorer(completions, columns)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[_COUNTER_KEY] = self.completions_generated

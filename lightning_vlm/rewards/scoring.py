@@ -15,6 +15,7 @@ import importlib
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -107,6 +108,16 @@ def _as_reward(value: Any) -> float:
     if isinstance(value, str) or not isinstance(value, numbers.Real):
         raise TypeError(f"{type(value).__name__} {value!r} is not a number")
     return float(value)
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What TRL's reward functions read of ``trainer_state`` (its ``TrainerState``'s names): the optimizer
+    steps done, the epoch, and the run's ``max_steps`` (-1: set by epochs), e.g. for a reward schedule."""
+
+    global_step: int
+    epoch: int
+    max_steps: int
 
 
 class RewardScorer:
