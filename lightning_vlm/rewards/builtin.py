@@ -11,8 +11,9 @@ settings are configured with ``functools.partial`` or, from Hydra, ``_partial_: 
       max_length: 512
       cache_length: 128
 
-Completions may be plain strings or TRL's conversational form (a list of assistant messages whose
-``content`` is a string or typed blocks); :func:`completion_text` turns either into text.
+The online methods pass TRL's conversational form (one assistant message per completion, whose
+``content`` is a string or typed blocks) and ``trainer_state``; plain strings are accepted too.
+:func:`completion_text` turns either into text.
 """
 
 from __future__ import annotations
