@@ -82,6 +82,16 @@ class VLLMGeneration(L.Callback):
                            retries=retries, reconnect_timeout=reconnect_timeout, api_key=api_key)  # fmt: skip
         self.start_server = start_server
         self.server_args = list(server_args or [])
+        # Set by the callback itself: the server's own copy (argparse keeps the last) would move it to an
+        # address or key the callback never polls with.
+        owned = sorted(
+            {a.split("=")[0] for a in self.server_args} & {"--host", "--port", "--uds", "--api-key"}
+        )
+        if owned:
+            raise ValueError(
+                f"callbacks.vllm_generation.server_args cannot set {owned}: the callback starts the server on "
+                "127.0.0.1 at a free port with a key of its own, and polls that address"
+            )
         self.wait_for_server = wait_for_server
         self.weight_transfer = weight_transfer
         self.sync_dir = sync_dir

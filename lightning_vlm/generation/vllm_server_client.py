@@ -48,7 +48,7 @@ class VLLMServerClient:
             )
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
-        self.url = url.rstrip("/")
+        self.url = _server_root(url)
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.retries = retries
@@ -125,7 +125,7 @@ class VLLMServerClient:
         """Whether the server answers ``/health`` with 200 right now (no retries, ``connect_timeout``)."""
         try:
             return self.session.get(f"{self.url}/health", timeout=self.connect_timeout).status_code == 200
-        except requests.RequestException:
+        except (requests.ConnectionError, requests.Timeout):  # not up yet; any other error is no wait's fix
             return False
 
     def wait_until_ready(self, timeout: float = 180.0, poll: float = 1.0) -> None:
@@ -133,7 +133,11 @@ class VLLMServerClient:
         deadline = time.monotonic() + timeout
         while not self.health():
             if time.monotonic() > deadline:
-                raise VLLMServerError(f"vLLM server at {self.url} not ready within {timeout:g} s")
+                raise VLLMServerError(
+                    f"vLLM server at {self.url} not ready within {timeout:g} s: /health never answered 200. "
+                    "Is it still loading (callbacks.vllm_generation.wait_for_server sets the wait), or is "
+                    "another server on that port?"
+                )
             time.sleep(poll)
 
     def model(self) -> str:
@@ -202,3 +206,20 @@ def _reason(exc: Exception) -> str:
         if known in text:
             return known.lower() if known != "Max retries exceeded" else "no connection"
     return type(exc).__name__
+
+
+def _server_root(url: str) -> str:
+    """The server's root URL, checked: ``http(s)://host:port``, which requests' paths (``/health``,
+    ``/v1/...``) follow. Without a scheme every request failed as "not up yet" until the wait ran out."""
+    root = url.rstrip("/")
+    if not root.startswith(("http://", "https://")):
+        raise ValueError(
+            f"callbacks.vllm_generation.server_url must start with http:// or https://, got {url!r} "
+            f"(e.g. http://{root or '127.0.0.1:8000'})"
+        )
+    if root.endswith("/v1"):
+        raise ValueError(
+            f"callbacks.vllm_generation.server_url is the server's root, not its OpenAI API path: got {url!r}, "
+            f"use {root[: -len('/v1')]!r}"
+        )
+    return root
