@@ -108,6 +108,24 @@ def test_a_failing_reward_function_is_named(tiny_path, rows):
         fit_steps(module, rows)
 
 
+def test_logged_step_statistics_keep_no_graph(tiny_path, rows, monkeypatch):
+    # The entropy kept its autograd graph until the generation's end: with the checkpointed log-prob chunks
+    # recomputed in backward, [tokens, vocabulary] tensors per micro-batch (GBs at real sizes)
+    import lightning_vlm.methods.online as online
+
+    logged, log_synced = [], online.log_synced
+
+    def spy(module, values, batch_size):
+        logged.append({k: v for k, v in values.items() if torch.is_tensor(v) and v.requires_grad})
+        return log_synced(module, values, batch_size)
+
+    monkeypatch.setattr(online, "log_synced", spy)
+    module = RLOO(VLM(tiny_path("qwen2_5_vl")), optimizer=sgd(0.1), reward_funcs=[token_reward_fn],
+                  num_generations=2, max_completion_length=4, steps_per_generation=2, micro_batch_size=1)  # fmt: skip
+    fit_steps(module, rows, steps=2)
+    assert logged and logged == [{}] * len(logged)
+
+
 def test_reward_functions_are_called_as_trl_calls_them(tiny_path, rows):
     # TRL's reward functions for conversational data read c[0]["content"] and may take trainer_state
     vlm = VLM(tiny_path("qwen2_5_vl"))

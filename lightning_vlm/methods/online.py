@@ -237,6 +237,9 @@ class OnlineRL(RootCalls, RolloutSampling):
                     self.manual_backward(loss)
                 step_metrics["loss"].append(loss.detach())
                 for k, v in stats.items():
+                    # Detached: a stat kept with its graph (the entropy's) holds that graph's saved tensors,
+                    # [tokens, vocabulary] each, until the generation's last step
+                    v = v.detach()
                     step_metrics[k].append(v if k.endswith(EXTREMES) else v * len(index) / len(step.index))
             # One value per step (its micro-batches' weighted terms summed); extremes keep every value.
             for k, values in step_metrics.items():
