@@ -126,6 +126,31 @@ def test_logged_step_statistics_keep_no_graph(tiny_path, rows, monkeypatch):
     assert logged and logged == [{}] * len(logged)
 
 
+@pytest.mark.parametrize(("first", "warned"), [(3, True), (2, False)])
+def test_a_resume_inside_a_generation_cut_by_max_steps_is_warned_of(
+    first, warned, tiny_path, rows, tmp_path, caplog
+):
+    # 2 optimizer steps a generation: max_steps=3 stops generation 2 after its first step, and its rollouts
+    # are not in the checkpoint, so the resumed run trains a new generation where one straight run would not
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_vlm.data.skips import collate_rows
+
+    def module():
+        return GRPO(VLM(tiny_path("qwen2_5_vl")), optimizer=sgd(0.1), reward_funcs=[token_reward_fn],
+                    num_generations=2, max_completion_length=4, steps_per_generation=2)  # fmt: skip
+
+    trainer = fit_steps(module(), rows, steps=first)
+    trainer.save_checkpoint(tmp_path / "end.ckpt")
+    resumed = L.Trainer(accelerator="cpu", max_steps=first + 1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+    with caplog.at_level("WARNING"):
+        resumed.fit(module(), DataLoader(rows, batch_size=len(rows), collate_fn=collate_rows),
+                    ckpt_path=tmp_path / "end.ckpt", weights_only=False)  # fmt: skip
+    assert ("ended a generation before its last optimizer step" in caplog.text) == warned
+
+
 def test_reward_functions_are_called_as_trl_calls_them(tiny_path, rows):
     # TRL's reward functions for conversational data read c[0]["content"] and may take trainer_state
     vlm = VLM(tiny_path("qwen2_5_vl"))

@@ -73,6 +73,8 @@ from lightning_vlm.parallel.steps import (
 from lightning_vlm.rewards.scoring import RewardScorer
 
 log = logging.getLogger(__name__)
+# In checkpoints: whether trainer.max_steps stopped the last generation before its last optimizer step.
+_CUT_KEY = "lightning_vlm/generation_cut"
 
 
 class OnlineRL(RootCalls, RolloutSampling):
@@ -121,6 +123,7 @@ class OnlineRL(RootCalls, RolloutSampling):
         self.vlm, self.sampling = vlm, sampling
         self.dynamic_sampling = DynamicSampling.of(dynamic_sampling)  # type: ignore[arg-type]
         self.completions_generated = 0  # over all ranks, checkpointed (online_sampling)
+        self._generation_cut = False  # the last generation stopped by max_steps before its last step
         functions = list(reward_funcs) + ([reward_model] if reward_model is not None else [])
         self.scorer = RewardScorer(functions, reward_weights)
         self.hparams.update(sampling=asdict(sampling), reward_funcs=list(self.scorer.names),
@@ -222,7 +225,9 @@ class OnlineRL(RootCalls, RolloutSampling):
         # trainer.max_steps counts optimizer steps (TRL's too): stop at it, within a generation if need be.
         steps = [pair for _ in range(hp.num_iterations) for pair in zip(chunks, counts, strict=True)]
         if self.trainer.max_steps >= 0:
+            planned = len(steps)
             steps = steps[: max(self.trainer.max_steps - self.trainer.global_step, 1)]
+            self._generation_cut = len(steps) < planned
         for micro_batches, step_counts in steps:
             step = Step(torch.cat(micro_batches).to(self.device), step_counts)
             opt.zero_grad()
@@ -355,6 +360,25 @@ class OnlineRL(RootCalls, RolloutSampling):
     def setup(self, stage: str) -> None:
         """Before the strategy builds its engine: DeepSpeed clips there (``max_grad_norm``)."""
         engine_clipping(self, self.hparams.max_grad_norm)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint[_CUT_KEY] = self._generation_cut
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self._generation_cut = bool(checkpoint.get(_CUT_KEY, False))
+
+    def on_train_start(self) -> None:
+        # Rollouts are not checkpointed (TRL regenerates after a resume too), so the rest of a generation that
+        # max_steps cut short is never trained, and the resumed run is not the uninterrupted one.
+        if self._generation_cut and self.global_rank == 0:
+            log.warning(
+                "this run resumes from step %d, where trainer.max_steps ended a generation before its last "
+                "optimizer step: the rest of that generation is not trained (its rollouts are not saved), so "
+                "the run continues with a new generation and will not match one run straight through",
+                self.trainer.global_step,
+            )
 
     def on_fit_start(self) -> None:
         # Frozen helpers are not submodules (not trained, not checkpointed): move them by hand.
