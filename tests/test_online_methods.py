@@ -151,6 +151,32 @@ def test_a_resume_inside_a_generation_cut_by_max_steps_is_warned_of(
     assert ("ended a generation before its last optimizer step" in caplog.text) == warned
 
 
+def test_reward_models_in_reward_funcs_go_to_the_policy_s_device(tiny_path, rows):
+    # Only method.reward_model was moved: one in reward_funcs, or routed by a TaskReward, scored on the CPU
+    from lightning_vlm.rewards.routing import TaskReward
+
+    class Scorer:
+        """A reward holding a model: records where it was moved."""
+
+        __name__ = "scorer"
+
+        def __init__(self) -> None:
+            self.devices = []
+
+        def to(self, device):
+            self.devices.append(str(device))
+            return self
+
+        def __call__(self, completions, **kwargs):
+            return [0.5] * len(completions)
+
+    plain, routed = Scorer(), Scorer()
+    module = GRPO(VLM(tiny_path("qwen2_5_vl")), optimizer=sgd(0.1), num_generations=2, max_completion_length=4,
+                  reward_funcs=[plain, TaskReward(routed, task="count", column="kind"), token_reward_fn])  # fmt: skip
+    fit_steps(module, [{**r, "kind": "count"} for r in rows])
+    assert plain.devices == routed.devices == ["cpu"]
+
+
 def test_reward_functions_are_called_as_trl_calls_them(tiny_path, rows):
     # TRL's reward functions for conversational data read c[0]["content"] and may take trainer_state
     vlm = VLM(tiny_path("qwen2_5_vl"))

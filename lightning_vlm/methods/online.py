@@ -70,6 +70,7 @@ from lightning_vlm.parallel.steps import (
     no_backward_sync,
     root_forward,
 )
+from lightning_vlm.rewards.routing import device_rewards
 from lightning_vlm.rewards.scoring import RewardScorer
 
 log = logging.getLogger(__name__)
@@ -384,8 +385,9 @@ class OnlineRL(RootCalls, RolloutSampling):
         # Frozen helpers are not submodules (not trained, not checkpointed): move them by hand.
         if self.ref is not None:
             self.ref.to(self.device)
-        if self.reward_model is not None and hasattr(self.reward_model, "to"):
-            self.reward_model.to(self.device)
+        # Reward models wherever they are: the reward_model slot, reward_funcs, or routed by a TaskReward.
+        for reward in device_rewards(self.scorer.functions):
+            reward.to(self.device)
 
     def configure_optimizers(self) -> Any:
         return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory)

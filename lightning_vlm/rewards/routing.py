@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from lightning_vlm.rewards.scoring import describe, resolve_reward_function, reward_name
 
@@ -88,3 +88,16 @@ class TaskReward:
 
     def __repr__(self) -> str:
         return f"TaskReward({describe(self.reward)} on {self.column} in {sorted(self.tasks)})"
+
+
+@runtime_checkable
+class OnDevice(Protocol):
+    """A reward that holds a model (``RewardModel``, an ``nn.Module``): moved to the policy's device."""
+
+    def to(self, device: Any) -> Any: ...
+
+
+def device_rewards(functions: Sequence[Any]) -> list[OnDevice]:
+    """The rewards among ``functions`` that hold a model, those a ``TaskReward`` routes to included."""
+    inner = [fn.reward if isinstance(fn, TaskReward) else fn for fn in functions]
+    return [fn for fn in inner if isinstance(fn, OnDevice)]
