@@ -469,3 +469,10 @@ def test_hydra_instantiate_with_dictconfig():
     )
     dm.setup()
     assert len(next(iter(dm.train_dataloader()))) == 2 and dm.hparams.batch_size == 2
+
+
+def test_a_preference_pair_whose_answers_are_the_same_is_a_bad_row():
+    # With an explicit prompt it loaded: DPO's loss is a constant there, and KTO got the same answer twice,
+    # once desirable and once not
+    with pytest.raises(RowError, match=r"row 0, column 'chosen'.*the same answer"):
+        normalize_row({"prompt": "q", "chosen": "same", "rejected": "same"}, "preference")

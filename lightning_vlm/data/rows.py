@@ -82,6 +82,9 @@ def _block(block: Any, at: _Row, column: str, where: str) -> dict:
     at.fail(column, "wrong_type", f"{where} has type {kind!r}; expected 'text' or 'image'")
 
 
+ROLES = ("system", "user", "assistant", "tool")
+
+
 def _conversation(value: Any, at: _Row, column: str) -> tuple[list[dict], list[bool]]:
     """Normalised messages, and for each whether its content was a plain string (not typed blocks)."""
     if not isinstance(value, Sequence) or isinstance(value, str) or not value:
@@ -92,6 +95,12 @@ def _conversation(value: Any, at: _Row, column: str) -> tuple[list[dict], list[b
             at.fail(column, "wrong_type", f"message {i} must be a dict with 'role' and 'content'")
         if not isinstance(message.get("role"), str):
             at.fail(column, "wrong_type", f"message {i} has no string 'role'")
+        if message["role"] not in ROLES:
+            # ShareGPT's human/gpt, or "User": chat templates drop or misplace them, and SFT trains on
+            # assistant turns only, so a "gpt" answer was silently never trained on.
+            at.fail(
+                column, "wrong_type", f"message {i} has role {message['role']!r}; expected one of {ROLES}"
+            )
         content = message.get("content")
         plain.append(isinstance(content, str))
         if isinstance(content, str):
@@ -142,6 +151,9 @@ def _image_ref(value: Any, at: _Row, column: str, base_dir: Path | None, check_f
         return value
     if isinstance(value, Mapping):  # how `datasets` stores an undecoded Image feature
         if value.get("bytes") is not None:
+            if not isinstance(value["bytes"], bytes):
+                at.fail(column, "wrong_type", f"an image's 'bytes' must be the encoded file's bytes, got "
+                        f"{type(value['bytes']).__name__} (base64 text: decode it first)")  # fmt: skip
             return value["bytes"]
         value = value.get("path")
     if isinstance(value, str) and value.lstrip().lower().startswith(("http://", "https://", "data:")):
@@ -288,6 +300,8 @@ def normalize_row(
         for column, messages in (("chosen", chosen), ("rejected", rejected)):
             if any(m["role"] != "assistant" for m in messages):
                 at.fail(column, "wrong_type", f"'{column}' must hold assistant messages only")
+        if chosen == rejected:  # no preference: DPO's loss is a constant, KTO's rows contradict each other
+            at.fail("chosen", "wrong_type", "'chosen' and 'rejected' are the same answer")
         _place_images(prompt, plain, len(images), chosen, rejected)
         in_prompt = _count_images(prompt)
         _check_count(at, "prompt", in_prompt + _count_images(chosen), len(images))
