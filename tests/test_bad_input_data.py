@@ -154,9 +154,20 @@ ERRORS: dict[str, Case] = {  # a table, so kept as laid out
     "batch_empty_after_load_skips": (batch_of_corrupt_images, NoRowsError,
                                      ("{dir}/data.jsonl", "data.on_bad_row=skip", "rows [2, 3]",
                                       "2 corrupt_image", "empty batch")),
+    # Rows that loaded and trained wrongly (helper review): ShareGPT's roles (the "gpt" answer was never
+    # trained on), an image's bytes as base64 text (read as a path: "file not found")
+    "sharegpt_roles": (broken(lambda r: r["messages"][1].update(role="gpt")), RowError,
+                       (f"{ROW} 'messages'", "message 1 has role 'gpt'", "'assistant'")),
+    "image_bytes_as_text": (broken(lambda r: r.update(images=[{"bytes": "iVBORw0KGgo="}])), RowError,
+                            (f"{ROW} 'images'", "'bytes' must be the encoded file's bytes", "base64")),
     # A bad setting.
     "bad_alpha_background": (lambda d: {"alpha_background": [1, 2]}, ValueError,
                              ("data.alpha_background", "[1, 2]")),
+    "column_map_onto_one": (lambda d: {"column_map": {"question": "prompt", "answer": "prompt"}}, ValueError,
+                            ("data.column_map maps several columns onto one", "'prompt': ['answer', 'question']")),
+    "column_map_not_a_mapping": (lambda d: {"column_map": ["question"]}, ValueError, ("data.column_map must map",)),
+    "max_samples_zero": (lambda d: {"max_samples": 0}, ValueError, ("data.max_samples must be a whole number > 0",)),
+    "max_val_samples_negative": (lambda d: {"max_val_samples": -1}, ValueError, ("data.max_val_samples", "-1")),
 }
 # fmt: on
 

@@ -28,6 +28,7 @@ from lightning_vlm.data.sources import load_source, plain
 from lightning_vlm.data.templates import RowFormat
 from lightning_vlm.data.unpair import UnpairedView, unpair
 from lightning_vlm.data.val_batches import BatchedRows, ShardBatches
+from lightning_vlm.settings_check import check_count
 
 logger = logging.getLogger("lightning_vlm.data")
 
@@ -124,6 +125,9 @@ class VLMDataModule(L.LightningDataModule):
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         if val_fraction and val is not None:
             raise ValueError("give either a val source or val_fraction, not both")
+        for name, limit in (("max_samples", max_samples), ("max_val_samples", max_val_samples)):
+            # 0 emptied the data ("it has none"), -1 cut its last row: a slice, not a count
+            check_count(f"data.{name}", limit, hint=" (rows kept; null: all)")
         unknown = set(plain(synthetic) or {}) - set(SYNTHETIC_OPTIONS)
         if unknown:
             raise ValueError(

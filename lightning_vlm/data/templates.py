@@ -14,6 +14,7 @@ import string
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from lightning_vlm.data.images import WHITE, load_row, rgb_background
 from lightning_vlm.data.rows import SHAPES, RowError, normalize_row
@@ -35,6 +36,20 @@ class BadRow(dict):
     def __init__(self, column: str, reason: str, detail: str) -> None:
         super().__init__()
         self.column, self.reason, self.detail = column, reason, detail
+
+
+def check_column_map(column_map: Any) -> None:
+    """A mapping of the data's column names to ours, no two onto one: which of them won depended on the
+    row's key order, and the other column was lost."""
+    if not isinstance(column_map, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in column_map.items()
+    ):
+        raise ValueError(f"data.column_map must map column names to column names, got {column_map!r}")
+    targets = list(column_map.values())
+    twice = sorted({t for t in targets if targets.count(t) > 1})
+    if twice:
+        sources = {t: sorted(k for k, v in column_map.items() if v == t) for t in twice}
+        raise ValueError(f"data.column_map maps several columns onto one: {sources}")
 
 
 def rename(row: Mapping, column_map: Mapping[str, str]) -> dict:
@@ -113,6 +128,7 @@ class RowFormat:
             raise ValueError(f"unknown data shape {self.shape!r}; expected one of {SHAPES}")
         # Checked (and made a tuple: Hydra gives lists) now, not when the first image is decoded.
         object.__setattr__(self, "alpha_background", rgb_background(self.alpha_background))
+        check_column_map(self.column_map)
         # Checked at construction, so a bad setting fails before any row is read.
         self._columns("prompt_template"), self._columns("answer_template")
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
