@@ -116,6 +116,30 @@ def test_date_like_answers_stay_the_strings_written(tmp_path, layout):
     assert sft.train_dataset[0]["messages"][1]["content"] == [{"type": "text", "text": "2023-01-15"}]
 
 
+@pytest.mark.parametrize("layout", ["file", "folder"])
+def test_whole_numbers_beside_decimals_stay_whole(tmp_path, layout):
+    # Arrow types a column mixing 4 and 4.5 as floats: SFT trained on the answer "4.0"
+    rows = [{"prompt": "How many?", "solution": 4}, {"prompt": "How wide?", "solution": 4.5}]
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    spec = str(folder / "train.jsonl") if layout == "file" else str(folder)
+    sft = SFTDataModule(train=spec, shuffle=False, prompt_template="{prompt}", answer_template="{solution}")
+    sft.setup()
+    answers = [sft.train_dataset[i]["messages"][1]["content"][0]["text"] for i in range(2)]
+    assert answers == ["4", "4.5"] and sft.train_dataset[0]["solution"] == 4
+
+
+def test_a_key_written_twice_in_a_row_is_an_error_naming_the_line(tmp_path):
+    # Arrow refused the line, and Python's json, read instead, kept the last value silently
+    path = tmp_path / "train.jsonl"
+    path.write_text(
+        '{"prompt": "q", "solution": "A"}\n{"prompt": "q", "solution": "FIRST", "solution": "SECOND"}\n'
+    )
+    with pytest.raises(SourceError, match=r"train.jsonl: line 2: the key 'solution' appears twice"):
+        PromptDataModule(train=str(path)).setup()
+
+
 @pytest.mark.parametrize("split", ["validation[:3]", "test[:50%]", "train[:2]+validation"])
 def test_a_split_slice_a_single_file_cannot_honour_is_an_error_also_as_the_datamodules_split(tmp_path, split):
     # Given as data.split / data.val_split (not a dict spec), it read the whole file, saying nothing.

@@ -97,6 +97,23 @@ def is_utf8(path: Path) -> bool:
     return True
 
 
+class DuplicateKeyError(ValueError):
+    """A JSON object with one key twice: Python's json keeps the last value, Arrow refuses the row."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    keys = [k for k, _ in pairs]
+    twice = next((k for k in keys if keys.count(k) > 1), None)
+    if twice is not None:
+        raise DuplicateKeyError(f"the key {twice!r} appears twice in one object (which value is meant?)")
+    return dict(pairs)
+
+
+def _loads(text: str) -> Any:
+    """``json.loads`` that refuses an object holding a key twice (:class:`DuplicateKeyError`)."""
+    return json.loads(text, object_pairs_hook=_unique_keys)
+
+
 def _json_lines_problem(text: str) -> str | None:
     """The first line of a JSON Lines text that is not one JSON object, or None if every line is."""
     rows = 0
@@ -104,9 +121,11 @@ def _json_lines_problem(text: str) -> str | None:
         if not line.strip():
             continue  # blank lines are allowed (and skipped) by the loader
         try:
-            row = json.loads(line)
+            row = _loads(line)
         except json.JSONDecodeError as e:
             return f"line {number}, column {e.colno}: invalid JSON ({e.msg}): {_snippet(line)}"
+        except DuplicateKeyError as e:
+            return f"line {number}: {e}: {_snippet(line)}"
         if not isinstance(row, dict):
             return (
                 f"line {number} is a JSON {type(row).__name__}, not an object: JSON Lines data holds one "
@@ -123,9 +142,11 @@ def _json_lines_problem(text: str) -> str | None:
 def _json_document_problem(text: str) -> str | None:
     """What is wrong with a whole-file JSON document (a list of row objects), or None."""
     try:
-        data = json.loads(text)
+        data = _loads(text)
     except json.JSONDecodeError as e:
         return f"line {e.lineno}, column {e.colno}: invalid JSON ({e.msg})"
+    except DuplicateKeyError as e:
+        return str(e)
     if isinstance(data, list):
         if not data:
             return "the file has no rows (an empty JSON list)"
@@ -213,21 +234,24 @@ def has_json_feature(feature: Any) -> bool:
     return inner is not None and has_json_feature(inner)
 
 
-_TIME_TYPES = ("timestamp", "date", "time", "duration")
+# Types Arrow's JSON reader guesses: ISO dates ("2023-01-15") come back as datetimes ("2023-01-15 00:00:00"
+# as text), and a column mixing whole numbers with decimals makes every number a float (4 -> 4.0, an
+# answer "4.0" in a template).
+_GUESSED_TYPES = ("timestamp", "date", "time", "duration", "float", "double")
 
 
-def has_time_feature(feature: Any) -> bool:
-    """Whether ``datasets`` typed some field of ``feature`` as a date or time: Arrow's JSON reader does
-    so for a column of ISO dates ("2023-01-15"), whose strings then come back as datetimes ("2023-01-15
-    00:00:00" as text). Only a JSON file's reading is a guess; a parquet file's types are its own."""
+def has_guessed_feature(feature: Any) -> bool:
+    """Whether ``datasets`` typed some field of ``feature`` by a guess that changes values as written: a
+    date or time, or a float (see ``_GUESSED_TYPES``). Only a JSON file's reading is a guess; a parquet
+    file's types are its own."""
     import datasets
 
     if isinstance(feature, datasets.Value):
-        return feature.dtype.startswith(_TIME_TYPES)
+        return feature.dtype.startswith(_GUESSED_TYPES)
     if isinstance(feature, dict):
-        return any(has_time_feature(f) for f in feature.values())
+        return any(has_guessed_feature(f) for f in feature.values())
     inner = getattr(feature, "feature", None)
-    return inner is not None and has_time_feature(inner)
+    return inner is not None and has_guessed_feature(inner)
 
 
 def read_json_rows(path: Path) -> list[dict]:
@@ -240,8 +264,8 @@ def read_json_rows(path: Path) -> list[dict]:
     with open_data(path) as f:
         text = f.read().decode("utf-8").removeprefix("\ufeff")
     if text.lstrip().startswith("["):
-        return json.loads(text)
-    return [json.loads(line) for line in json_lines(text) if line.strip()]
+        return _loads(text)
+    return [_loads(line) for line in json_lines(text) if line.strip()]
 
 
 def json_lines(text: str) -> list[str]:

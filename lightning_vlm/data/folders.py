@@ -14,8 +14,8 @@ from lightning_vlm.data.files import (
     FILE_BUILDERS,
     SourceError,
     data_suffix,
+    has_guessed_feature,
     has_json_feature,
-    has_time_feature,
     json_problem,
     json_rows_readable,
     load_file,
@@ -45,8 +45,8 @@ def from_folder(folder: Path, subset: str | None, split: str) -> Source:
     named = _folder_files(folder, subset, split)
     _check_builder(folder, named)
     as_written = named is not None and _json_as_written(named)
-    # JSON text of mixed-type fields, or ISO dates typed as datetimes (files.has_time_feature).
-    if has_json_feature(dataset.features) or (as_written and has_time_feature(dataset.features)):
+    # JSON text of mixed-type fields, or guessed types: dates, floats (files.has_guessed_feature).
+    if has_json_feature(dataset.features) or (as_written and has_guessed_feature(dataset.features)):
         if as_written:
             try:
                 return _rows_as_written(folder, named, _spelt(split, named), name, len(dataset))

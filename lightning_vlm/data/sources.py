@@ -19,8 +19,8 @@ from lightning_vlm.data.files import (
     JsonOnlyPythonReads,
     SourceError,
     data_suffix,
+    has_guessed_feature,
     has_json_feature,
-    has_time_feature,
     json_rows_readable,
     load_file,
     one_split,
@@ -138,12 +138,12 @@ def _from_file(path: Path, split: str, explicit: bool) -> Source:
     if (
         dataset is None
         or has_json_feature(dataset.features)
-        or (readable and has_time_feature(dataset.features))
+        or (readable and has_guessed_feature(dataset.features))
     ):
         if readable:
             # Mixed-type fields come back from datasets' JSON text with strings such as "4" turned into
-            # numbers (files.read_json_rows), and ISO dates as datetimes: read the rows as written
-            # instead (held in memory).
+            # numbers (files.read_json_rows), ISO dates as datetimes and whole numbers as floats: read
+            # the rows as written instead (held in memory).
             rows = read_json_rows(path)
             picked = [
                 rows[i] for _, indices in pick_rows(split, {"train": len(rows)}, str(path)) for i in indices
