@@ -158,6 +158,10 @@ ERRORS: dict[str, Case] = {  # a table, so kept as laid out
     # trained on), an image's bytes as base64 text (read as a path: "file not found")
     "sharegpt_roles": (broken(lambda r: r["messages"][1].update(role="gpt")), RowError,
                        (f"{ROW} 'messages'", "message 1 has role 'gpt'", "'assistant'")),
+    "llava_image_placeholder": (broken(lambda r: r["messages"][0]["content"].__setitem__(1, {"type": "text", "text": "<image>\nColor?"})),
+                                RowError, (f"{ROW} 'messages'", "holds the placeholder '<image>'")),
+    "llava_placeholder_in_template": (lambda d: {"prompt_template": "<image>\n{question}", "answer_template": "{answer}"},
+                                      ValueError, ("data.prompt_template holds '<image>'",)),
     "image_bytes_as_text": (broken(lambda r: r.update(images=[{"bytes": "iVBORw0KGgo="}])), RowError,
                             (f"{ROW} 'images'", "'bytes' must be the encoded file's bytes", "base64")),
     # A bad setting.

@@ -57,6 +57,21 @@ class _Row:
         raise RowError(self.source, self.index, column, reason, detail)
 
 
+# LLaVA-style data writes its images into the text; here a chat template places them (from image blocks),
+# so the processor counted each such image twice and failed at batch time, far from the row.
+IMAGE_PLACEHOLDER = "<image>"
+
+
+def _text(text: str, at: _Row, column: str, where: str) -> dict:
+    if IMAGE_PLACEHOLDER in text:
+        at.fail(
+            column, "wrong_type",
+            f"{where} holds the placeholder {IMAGE_PLACEHOLDER!r}: remove it from the text, and give each image "
+            "a {'type': 'image'} block where it goes (or leave plain-string content: images go first)",
+        )  # fmt: skip
+    return {"type": "text", "text": text}
+
+
 def _block(block: Any, at: _Row, column: str, where: str) -> dict:
     if not isinstance(block, Mapping):
         at.fail(
@@ -68,7 +83,7 @@ def _block(block: Any, at: _Row, column: str, where: str) -> dict:
     if kind == "text":
         if not isinstance(block.get("text"), str):
             at.fail(column, "wrong_type", f"{where} is a text block without a string 'text'")
-        return {"type": "text", "text": block["text"]}
+        return _text(block["text"], at, column, where)
     if kind == "image":
         embedded = [k for k in _EMBEDDED_IMAGE_KEYS if block.get(k) is not None]
         if embedded:
@@ -104,7 +119,7 @@ def _conversation(value: Any, at: _Row, column: str) -> tuple[list[dict], list[b
         content = message.get("content")
         plain.append(isinstance(content, str))
         if isinstance(content, str):
-            blocks = [{"type": "text", "text": content}]
+            blocks = [_text(content, at, column, f"message {i}")]
         elif isinstance(content, Sequence):
             blocks = [_block(b, at, column, f"message {i}, block {j}") for j, b in enumerate(content)]
         else:
@@ -117,7 +132,7 @@ def _conversation(value: Any, at: _Row, column: str) -> tuple[list[dict], list[b
 
 def _text_or_conversation(value: Any, at: _Row, column: str, role: str) -> tuple[list[dict], list[bool]]:
     if isinstance(value, str):
-        return [{"role": role, "content": [{"type": "text", "text": value}]}], [True]
+        return [{"role": role, "content": [_text(value, at, column, "the text")]}], [True]
     return _conversation(value, at, column)
 
 

@@ -129,6 +129,11 @@ class RowFormat:
         # Checked (and made a tuple: Hydra gives lists) now, not when the first image is decoded.
         object.__setattr__(self, "alpha_background", rgb_background(self.alpha_background))
         check_column_map(self.column_map)
+        if self.prompt_template is not None and "<image>" in self.prompt_template:
+            raise ValueError(
+                "data.prompt_template holds '<image>': the chat template places the images (first in the user "
+                "turn); remove the placeholder"
+            )
         # Checked at construction, so a bad setting fails before any row is read.
         self._columns("prompt_template"), self._columns("answer_template")
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
