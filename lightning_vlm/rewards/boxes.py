@@ -113,7 +113,8 @@ def box_giou(a: Box, b: Box) -> float:
         return 1.0
     union, intersection = _union_and_intersection(a, b)
     hull = _area((min(a[0], b[0]), min(a[1], b[1]), max(a[2], b[2]), max(a[3], b[3])))
-    if hull <= 0:
+    # No area, or one past float's range (a box of finite area far off: inf / inf would be NaN)
+    if not 0 < hull < math.inf:
         return -1.0
     iou = intersection / union if union > 0 else 0.0
     return iou - (hull - union) / hull
