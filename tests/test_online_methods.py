@@ -151,6 +151,16 @@ def test_a_resume_inside_a_generation_cut_by_max_steps_is_warned_of(
     assert ("ended a generation before its last optimizer step" in caplog.text) == warned
 
 
+def test_a_run_by_epochs_clears_the_cut_generation_mark(tiny_path, rows):
+    # Set only under max_steps: resumed by epochs (max_steps=-1), the mark stayed, and every later
+    # checkpoint warned of a cut generation
+    module = GRPO(VLM(tiny_path("qwen2_5_vl")), optimizer=sgd(0.1), reward_funcs=[token_reward_fn],
+                  num_generations=2, max_completion_length=4, steps_per_generation=2)  # fmt: skip
+    module._generation_cut = True  # as loaded from a checkpoint that max_steps cut
+    fit_steps(module, rows, steps=-1, max_epochs=1)
+    assert module._generation_cut is False
+
+
 def test_reward_models_in_reward_funcs_go_to_the_policy_s_device(tiny_path, rows):
     # Only method.reward_model was moved: one in reward_funcs, or routed by a TaskReward, scored on the CPU
     from lightning_vlm.rewards.routing import TaskReward

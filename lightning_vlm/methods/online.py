@@ -225,10 +225,10 @@ class OnlineRL(RootCalls, RolloutSampling):
         metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
         # trainer.max_steps counts optimizer steps (TRL's too): stop at it, within a generation if need be.
         steps = [pair for _ in range(hp.num_iterations) for pair in zip(chunks, counts, strict=True)]
+        planned = len(steps)
         if self.trainer.max_steps >= 0:
-            planned = len(steps)
             steps = steps[: max(self.trainer.max_steps - self.trainer.global_step, 1)]
-            self._generation_cut = len(steps) < planned
+        self._generation_cut = len(steps) < planned
         for micro_batches, step_counts in steps:
             step = Step(torch.cat(micro_batches).to(self.device), step_counts)
             opt.zero_grad()
