@@ -412,11 +412,16 @@ def test_a_server_that_is_not_up_is_polled_and_named():
 
 
 @pytest.mark.parametrize(
-    "args", [["--port", "9000"], ["--host=0.0.0.0"], ["--api-key", "k"], ["--uds", "/tmp/s"]]
-)
+    "args",
+    [
+        ["--port", "9000"], ["--host=0.0.0.0"], ["--api-key", "k"], ["--uds", "/tmp/s"],
+        ["--api_key", "k"], ["--por", "9000"],  # as vLLM's parser reads them: underscores, prefixes
+    ],
+)  # fmt: skip
 def test_server_args_cannot_move_the_server_the_callback_polls(args):
     from lightning_vlm.callbacks.vllm import VLLMGeneration
 
     with pytest.raises(ValueError, match=r"server_args cannot set \['--"):
         VLLMGeneration(mode="server", start_server=True, server_args=["--max-model-len", "512", *args])
     VLLMGeneration(mode="server", start_server=True, server_args=["--max-model-len", "512"])  # others pass
+    VLLMGeneration(mode="server", server_args=args)  # not started by the callback: its own address

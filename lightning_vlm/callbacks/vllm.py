@@ -84,9 +84,7 @@ class VLLMGeneration(L.Callback):
         self.server_args = list(server_args or [])
         # Set by the callback itself: the server's own copy (argparse keeps the last) would move it to an
         # address or key the callback never polls with.
-        owned = sorted(
-            {a.split("=")[0] for a in self.server_args} & {"--host", "--port", "--uds", "--api-key"}
-        )
+        owned = _owned_options(self.server_args) if start_server else []
         if owned:
             raise ValueError(
                 f"callbacks.vllm_generation.server_args cannot set {owned}: the callback starts the server on "
@@ -291,3 +289,13 @@ class VLLMGeneration(L.Callback):
         # Generation is over for this step: give the engine's GPU memory to the backward pass.
         if self.generator is not None:
             self.generator.sleep()
+
+
+_OWNED = ("--host", "--port", "--uds", "--api-key")
+
+
+def _owned_options(args: list[str]) -> list[str]:
+    """The options in ``args`` that set what the callback sets itself, as vLLM's parser reads them:
+    ``--api_key`` for ``--api-key``, and any prefix argparse completes (``--por``)."""
+    names = {str(a).split("=")[0].replace("_", "-") for a in args if str(a).startswith("--")}
+    return sorted(n for n in names if len(n) > 2 and any(o.startswith(n) for o in _OWNED))

@@ -125,7 +125,8 @@ class VLLMServerClient:
         """Whether the server answers ``/health`` with 200 right now (no retries, ``connect_timeout``)."""
         try:
             return self.session.get(f"{self.url}/health", timeout=self.connect_timeout).status_code == 200
-        except (requests.ConnectionError, requests.Timeout):  # not up yet; any other error is no wait's fix
+        # Not up yet (refused, timed out, dropped mid-answer while starting); any other error no wait fixes
+        except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError):
             return False
 
     def wait_until_ready(self, timeout: float = 180.0, poll: float = 1.0) -> None:
