@@ -19,7 +19,7 @@ from helpers import compose_train
 from lightning_vlm.data.lookahead import KEEP_BEHIND, LookaheadBatch
 from lightning_vlm.data.resumable import ResumableDataLoader
 from lightning_vlm.methods.step_tokens import StepTokens
-from lightning_vlm.methods.step_window import micro_batches_in_window, whole_step_scale
+from lightning_vlm.methods.step_window import WholeSteps, micro_batches_in_window
 from lightning_vlm.training import train
 
 
@@ -178,10 +178,14 @@ def test_an_epoch_s_short_last_step_is_a_whole_step_for_the_preference_methods(
 def test_an_epoch_s_last_window_holds_the_batches_left_and_steps_whole():
     # 7 batches, 3 a step: windows [0, 1, 2], [3, 4, 5], [6]
     assert [micro_batches_in_window(_module(3, 7), i) for i in range(7)] == [3, 3, 3, 3, 3, 3, 1]
-    assert [whole_step_scale(_module(3, 7), i) for i in (0, 5, 6)] == [1.0, 1.0, 3.0]
+    steps = WholeSteps()
+    assert [steps.scale(_module(3, 7), i) for i in range(7)] == [1.0] * 6 + [3.0]
+    # a resume inside the second window (at batch 4): batches 4 and 5 make its step, 3 is gone
+    resumed = WholeSteps()
+    assert [resumed.scale(_module(3, 7), i) for i in (4, 5, 6)] == [1.5, 1.5, 3.0]
     # DeepSpeed's engine steps every 3 micro-batches across epochs: Lightning's windows are not its steps
-    assert whole_step_scale(_module(3, 7, engine_accumulates=True), 6) == 1.0
-    assert whole_step_scale(_module(1, 7), 6) == 1.0
+    assert WholeSteps().scale(_module(3, 7, engine_accumulates=True), 6) == 1.0
+    assert WholeSteps().scale(_module(1, 7), 6) == 1.0
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,7 @@ from lightning_vlm.methods.reference_cache import (
     processor_fingerprint,
     weights_fingerprint,
 )
-from lightning_vlm.methods.step_window import StepWindow, whole_step_scale, window_of
+from lightning_vlm.methods.step_window import StepWindow, WholeSteps, window_of
 from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_tokens
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
@@ -111,6 +111,7 @@ class DPO(RootCalls, FactoryOptimized):
         self.generator = HFGenerator(vlm)
         self.bco_delta = RunningMean()  # BCO's δ: a buffer, so it is checkpointed
         self.step_window = StepWindow()
+        self.whole_steps = WholeSteps()
         self.val_metrics = torch.nn.ModuleDict({self._slot(n): MeanMetric() for n in self.metric_names})
         self.val_answer_accuracy = MeanMetric()
         self.completion_recorder = CompletionRecorder()  # filled when LogCompletions asks
@@ -256,7 +257,7 @@ class DPO(RootCalls, FactoryOptimized):
             self.log(
                 f"train/{name}", value, on_step=True, on_epoch=False, prog_bar=show, batch_size=len(rows)
             )
-        return loss * whole_step_scale(self, batch_idx)  # an epoch's short last step: a whole one
+        return loss * self.whole_steps.scale(self, batch_idx)  # an epoch's short last step: a whole one
 
     def validation_step(self, rows: list[dict], batch_idx: int) -> None:
         _, metrics, _ = self._loss(rows, train=False)

@@ -39,7 +39,7 @@ from lightning_vlm.methods.common import (
 )
 from lightning_vlm.methods.preference_batch import encode_pairs, split_pairs
 from lightning_vlm.methods.reference_cache import prompt_key
-from lightning_vlm.methods.step_window import StepWindow, whole_step_scale, window_of
+from lightning_vlm.methods.step_window import StepWindow, WholeSteps, window_of
 from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_tokens
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
@@ -158,6 +158,7 @@ class KTO(FactoryOptimized):
         self.val_answer_accuracy = MeanMetric()
         self.val_new_tokens: int | None = None
         self.step_window = StepWindow()
+        self.whole_steps = WholeSteps()
 
     def _loss(
         self, rows: list[dict], train: bool
@@ -233,7 +234,7 @@ class KTO(FactoryOptimized):
             if not torch.isnan(value):  # a diverged value: KTO has never logged NaN
                 self.log(f"train/{name}", value, on_step=True, on_epoch=False, batch_size=len(rows),
                          prog_bar=name in ("loss", "rewards/accuracies"))  # fmt: skip
-        return loss * whole_step_scale(self, batch_idx)  # an epoch's short last step: a whole one
+        return loss * self.whole_steps.scale(self, batch_idx)  # an epoch's short last step: a whole one
 
     def validation_step(self, rows: list[dict], batch_idx: int) -> None:
         # Every rank updates with the same values over all ranks' rows, so the synced epoch means are those

@@ -30,15 +30,28 @@ def micro_batches_in_window(module: L.LightningModule, batch_idx: int) -> int:
     return max(1, min(k, module.trainer.num_training_batches - (batch_idx - batch_idx % k)))
 
 
-def whole_step_scale(module: L.LightningModule, batch_idx: int) -> float:
-    """Makes an epoch's shorter last window a whole step: Lightning divides every micro-batch's loss by
-    ``accumulate_grad_batches``, so a last window of 1 micro-batch in 2 stepped by half its mean loss;
-    TRL divides by the micro-batches the step has. 1 where the strategy accumulates (DeepSpeed's engine
-    steps every ``accumulate_grad_batches`` micro-batches, across epochs)."""
-    trainer = module.trainer
-    if trainer.strategy.handles_gradient_accumulation:
-        return 1.0
-    return trainer.accumulate_grad_batches / micro_batches_in_window(module, batch_idx)
+class WholeSteps:
+    """Makes every accumulation window a whole step, as TRL's are: Lightning divides each micro-batch's
+    loss by ``accumulate_grad_batches`` also where a window has fewer micro-batches (an epoch's last, or
+    the rest of a window a resume started inside), so a last window of 1 micro-batch in 2 stepped by half
+    its mean loss. :meth:`scale` is the factor that undoes that. 1 where the strategy accumulates
+    (DeepSpeed's engine steps every ``accumulate_grad_batches`` micro-batches, across epochs)."""
+
+    def __init__(self) -> None:
+        self._window: Hashable = None
+        self._first = 0  # the window's first batch this run trained
+
+    def scale(self, module: L.LightningModule, batch_idx: int) -> float:
+        """``accumulate_grad_batches`` over the micro-batches batch ``batch_idx``'s window trains."""
+        trainer = module.trainer
+        if trainer.strategy.handles_gradient_accumulation:
+            return 1.0
+        window = window_of(module, batch_idx)
+        if window != self._window:
+            self._window, self._first = window, batch_idx
+        k = trainer.accumulate_grad_batches
+        end = batch_idx - batch_idx % k + micro_batches_in_window(module, batch_idx)
+        return k / max(1, end - self._first)
 
 
 class StepWindow:
