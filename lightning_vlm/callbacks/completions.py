@@ -65,7 +65,7 @@ class LogCompletions(L.Callback):
         self.num_completions_to_print = num_completions_to_print
         self.log_completions_steps = log_completions_steps
         self._last_bucket: int | None = None
-        self._train_step = self._train_logged_step = 0
+        self._train_step = 0
         self._warned_no_rich = False
 
     # ---- asking the method for samples -----------------------------------------------------------------
@@ -85,7 +85,6 @@ class LogCompletions(L.Callback):
         bucket = trainer.global_step // (self.log_completions_steps or max(trainer.log_every_n_steps, 1))
         if bucket != self._last_bucket:
             self._last_bucket, self._train_step = bucket, trainer.global_step
-            self._train_logged_step = logged_step(trainer)
             recorder.request("train")
 
     def on_train_batch_end(
@@ -94,7 +93,8 @@ class LogCompletions(L.Callback):
         recorder = self._recorder(trainer, pl_module)
         if recorder is not None:
             # The step whose policy generated them (the batch's optimizer steps came after).
-            self.write(trainer, "train", self._train_step, recorder.take("train"), self._train_logged_step)
+            # The loggers' step is still the batch's: Lightning raises it after this hook.
+            self.write(trainer, "train", self._train_step, recorder.take("train"), logged_step(trainer))
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         recorder = self._recorder(trainer, pl_module)
