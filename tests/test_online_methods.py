@@ -193,12 +193,19 @@ def test_reward_functions_are_called_as_trl_calls_them(tiny_path, rows):
     seen = []
 
     def trl_style(completions, trainer_state, prompts, **kwargs):
-        seen.append((trainer_state.global_step, trainer_state.max_steps, prompts[0][0]["role"]))
+        state = trainer_state
+        seen.append((state.global_step, state.epoch, state.max_steps, prompts[0][0]["role"]))
         return [float(len(c[0]["content"])) for c in completions]
 
     module = GRPO(vlm, optimizer=sgd(), reward_funcs=[trl_style], num_generations=2, max_completion_length=4)
     fit_steps(module, rows, steps=2)
-    assert seen == [(0, 2, "user"), (1, 2, "user")]  # a generation per step, each at its step
+    assert seen == [(0, 0.0, 2, "user"), (1, 1.0, 2, "user")]  # a generation per step (an epoch: one batch)
+    # By epochs (max_steps=-1), TRL's max_steps is still the run's length: 2 epochs x 1 batch x 2 steps each
+    seen.clear()
+    module = GRPO(vlm, optimizer=sgd(), reward_funcs=[trl_style], num_generations=2, max_completion_length=4,
+                  steps_per_generation=2)  # fmt: skip
+    fit_steps(module, rows, steps=-1, max_epochs=2)
+    assert seen == [(0, 0.0, 4, "user"), (2, 1.0, 4, "user")]
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ run's count continues too (the dynamic-sampling benchmark compares these counts)
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning as L
@@ -95,14 +96,26 @@ class RolloutSampling(L.LightningModule):
         conversational prompts (VLM prompts always are: one assistant message each), every row column,
         TRL's ``trainer_state`` and the chat template's ``generation_prompt`` (what precedes every
         completion, e.g. a prefilled ``<think>``)."""
-        trainer = self._trainer  # None outside fit (scoring rollouts by hand): step 0 of no set length
-        state = TrainerState(trainer.global_step, trainer.current_epoch, trainer.max_steps) if trainer else (
-            TrainerState(0, 0, -1)
-        )  # fmt: skip
         columns = {**reward_columns(rollouts), "generation_prompt": self.vlm.generation_prompt,
-                   "trainer_state": state}  # fmt: skip
+                   "trainer_state": self._trainer_state()}  # fmt: skip
         completions = [[{"role": "assistant", "content": text}] for text in rollouts.completion_texts]
         return self.scorer(completions, columns)
+
+    def _trainer_state(self) -> TrainerState:
+        """TRL's ``trainer_state`` values: the optimizer step, the epoch with its fraction done, and the
+        run's length in optimizer steps (by epochs: batches x epochs x steps per batch; -1 if unbounded)."""
+        trainer = self._trainer  # None outside fit (scoring rollouts by hand): step 0 of no set length
+        if trainer is None:
+            return TrainerState(0, 0.0, -1)
+        batches = trainer.num_training_batches
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1  # batches before this one
+        epoch = trainer.current_epoch + (done / batches if 0 < batches < math.inf else 0.0)
+        steps = trainer.max_steps
+        if steps < 0:
+            total = trainer.estimated_stepping_batches  # batches x epochs: one generation each
+            per_batch = self.hparams.steps_per_generation * self.hparams.num_iterations
+            steps = int(total * per_batch) if total < math.inf else -1
+        return TrainerState(trainer.global_step, epoch, steps)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[_COUNTER_KEY] = self.completions_generated

@@ -113,10 +113,11 @@ def _as_reward(value: Any) -> float:
 @dataclass(frozen=True)
 class TrainerState:
     """What TRL's reward functions read of ``trainer_state`` (its ``TrainerState``'s names): the optimizer
-    steps done, the epoch, and the run's ``max_steps`` (-1: set by epochs), e.g. for a reward schedule."""
+    steps done, the epoch with its fraction done, and the run's length in optimizer steps (-1: unbounded),
+    e.g. for a reward schedule ``global_step / max_steps``."""
 
     global_step: int
-    epoch: int
+    epoch: float
     max_steps: int
 
 
