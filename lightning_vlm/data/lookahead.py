@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-# Batches kept after they were handed out, for a look from an earlier batch: Lightning prefetches one batch
-# (it must know which batch is an epoch's last), so a look starts at most a couple of batches back.
-KEEP_BEHIND = 8
+# Batches kept after they were handed out. A look reads the batches after the one being trained, and
+# Lightning has already been handed the next (it prefetches one, to know which batch is an epoch's last):
+# that one must still be here. 2 allows a prefetch of up to 3.
+KEEP_BEHIND = 2
 
 
 class _Pass:

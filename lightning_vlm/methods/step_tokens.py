@@ -53,16 +53,14 @@ class StepTokens:
         """(this micro-batch's encoded inputs, the divisor of its summed loss). A collective at the first
         micro-batch of each window (every rank reaches it at the same batch)."""
         if not isinstance(batch, LookaheadBatch):
-            inputs = self.encode(batch)
-            if module.trainer.accumulate_grad_batches > 1 and not self._warned:
+            inputs, k = self.encode(batch), module.trainer.accumulate_grad_batches
+            if k > 1 and not self._warned:
                 self._warned = True
                 log.warning(
                     "the train loader's batches cannot look ahead (LookaheadBatch), so each of the %d accumulated "
-                    "micro-batches is divided by its own target tokens, not by the step's (as TRL does)",
-                    module.trainer.accumulate_grad_batches,
-                )
+                    "micro-batches is divided by its own target tokens, not by the step's (as TRL does)", k,
+                )  # fmt: skip
             # k × its own tokens: after Lightning's division by k, the step is the mean of the micro-batches' means
-            k = module.trainer.accumulate_grad_batches
             return inputs, mean_normalizer(target_tokens(inputs).to(module.device)) * k
         window = window_of(module, batch_idx)
         if window != self._window or batch.index not in self._encoded:
