@@ -16,6 +16,8 @@ from lightning_vlm.rewards import (
     accuracy_reward,
     answer_format_reward,
     completion_text,
+    giou_reward,
+    iou_reward,
     length_reward,
     reward_name,
     think_format_reward,
@@ -313,3 +315,16 @@ def test_think_format_reward_reads_a_completion_after_a_prefilled_think(tiny_pat
     scores, _ = module.score(rollouts)
     assert scores[:, 0].tolist() == [1.0, 0.0, 0.0]  # a second <think> is a nested tag
     assert think_format_reward(completions) == [0.0, 1.0, 0.0]  # no prefill
+
+
+def test_a_box_whose_area_overflows_gets_the_floor_not_nan():
+    # 1e200 squared is inf: GIoU's hull term was inf / inf, NaN, which the trainer reads as "unscored"
+    # the last: a finite area (9.4e304) whose hull with the solution is not
+    huge = [
+        "[0, 0, 1e200, 1e200]",
+        "[0, 0, 1e308, 1e308]",
+        "[0, 0, 1e400, 5]",
+        "[0, 1e160, 1e160, 1.000000000000001e160]",
+    ]
+    for reward in (giou_reward, iou_reward):
+        assert reward(huge, solution=["[28, 0, 56, 28]"] * 4) == [0.0] * 4, reward.__name__
