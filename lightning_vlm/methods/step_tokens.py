@@ -19,7 +19,7 @@ import lightning as L
 import torch
 
 from lightning_vlm.data.lookahead import LookaheadBatch
-from lightning_vlm.methods.step_window import micro_batches_in_window, window_of
+from lightning_vlm.methods.step_window import window_end, window_of
 from lightning_vlm.parallel.collectives import mean_normalizer
 
 log = logging.getLogger(__name__)
@@ -32,8 +32,7 @@ def target_tokens(inputs: dict) -> torch.Tensor:
 
 def batches_left_in_window(module: L.LightningModule, batch_idx: int) -> int:
     """Micro-batches after ``batch_idx`` in its accumulation window, the ones a look ahead counts."""
-    k = module.trainer.accumulate_grad_batches
-    return batch_idx - batch_idx % k + micro_batches_in_window(module, batch_idx) - 1 - batch_idx
+    return window_end(module, batch_idx) - 1 - batch_idx
 
 
 class StepTokens:

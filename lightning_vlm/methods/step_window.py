@@ -23,11 +23,17 @@ def window_of(module: L.LightningModule, batch_idx: int) -> tuple[int, int]:
     return module.current_epoch, batch_idx // module.trainer.accumulate_grad_batches
 
 
-def micro_batches_in_window(module: L.LightningModule, batch_idx: int) -> int:
-    """Micro-batches in training batch ``batch_idx``'s accumulation window: ``accumulate_grad_batches``,
-    fewer in an epoch's last (its end set by the loader or ``limit_train_batches``)."""
+def window_end(module: L.LightningModule, batch_idx: int) -> int:
+    """The batch index after training batch ``batch_idx``'s accumulation window: ``accumulate_grad_batches``
+    batches from its start, fewer in an epoch's last (its end set by the loader or ``limit_train_batches``)."""
     k = module.trainer.accumulate_grad_batches
-    return max(1, min(k, module.trainer.num_training_batches - (batch_idx - batch_idx % k)))
+    start = batch_idx - batch_idx % k
+    return start + max(1, min(k, module.trainer.num_training_batches - start))
+
+
+def micro_batches_in_window(module: L.LightningModule, batch_idx: int) -> int:
+    """Micro-batches in training batch ``batch_idx``'s accumulation window (see :func:`window_end`)."""
+    return window_end(module, batch_idx) - (batch_idx - batch_idx % module.trainer.accumulate_grad_batches)
 
 
 class WholeSteps:
@@ -49,9 +55,7 @@ class WholeSteps:
         window = window_of(module, batch_idx)
         if window != self._window:
             self._window, self._first = window, batch_idx
-        k = trainer.accumulate_grad_batches
-        end = batch_idx - batch_idx % k + micro_batches_in_window(module, batch_idx)
-        return k / max(1, end - self._first)
+        return trainer.accumulate_grad_batches / max(1, window_end(module, batch_idx) - self._first)
 
 
 class StepWindow:
