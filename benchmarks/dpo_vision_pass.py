@@ -5,29 +5,23 @@ Measures, in one run and interleaved (so machine noise hits both paths alike), t
 and the peak memory of both paths for a few batch sizes on two models: the tiny zoo Qwen2.5-VL
 (112 px images, 16 image tokens) and the same recipe with a larger vision tower (depth 8, width
 256) and 224 px images (64 image tokens), where the vision tower is a real share of the step.
-Peak memory: ``torch.cuda.max_memory_allocated`` on GPU; on CPU the rise of the process's resident
-set high-water mark (VmHWM, reset through /proc/self/clear_refs) above its resident size before the
-step, with glibc told to return large blocks to the OS (else freed memory hides the next peak).
+Peak memory as ``_peak.timed_peak`` measures it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-# Big tensors via mmap, unmapped on free: the resident set then follows live tensors.
-if "MALLOC_MMAP_THRESHOLD_" not in os.environ and sys.platform == "linux":
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    os.execv(sys.executable, [sys.executable, *sys.argv])
+from _peak import mmap_large_blocks, timed_peak
 
+mmap_large_blocks()
 import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor  # noqa: E402
 
@@ -51,32 +45,10 @@ def large_vision_model(folder: Path) -> Path:
     return folder
 
 
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 def measure(vlm: VLM, inputs: dict, mask: torch.Tensor, device: torch.device) -> tuple[float, float]:
     """Seconds and peak extra bytes of one forward + backward."""
     vlm.model.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
-        base = _status("VmRSS:")
-    start = time.perf_counter()
-    logps, _ = vlm.token_logps(inputs, mask)
-    logps.sum().backward()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        peak = _status("VmHWM:")
-    return time.perf_counter() - start, float(peak - base)
+    return timed_peak(lambda: vlm.token_logps(inputs, mask)[0].sum().backward(), device)
 
 
 def run(name: str, vlm: VLM, pairs: list[int], repeats: int, device: torch.device) -> list[dict]:

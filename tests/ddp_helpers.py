@@ -130,7 +130,7 @@ def write_variable_length_data(dirpath: Path, n: int = 32) -> Path:
 
     dirpath.mkdir(parents=True, exist_ok=True)
     words = ["it", "is", "surely", "very"]
-    sft, preference, prompt, mixed = [], [], [], []
+    sft, preference, prompt, mixed, unpaired_mixed = [], [], [], [], []
     for i in range(n):
         sample = make_sample(0, i)
         sample.image.save(dirpath / f"{i}.png")
@@ -148,13 +148,18 @@ def write_variable_length_data(dirpath: Path, n: int = 32) -> Path:
         preference.append(
             {"prompt": user, "chosen": said(answer), "rejected": said(wrong), "images": [f"{i}.png"]}
         )
+        # KTO's rows, laid out as sft_mixed's (rank 1 text-only); labels in pairs, so each rank holds both.
+        label = i // 2 % 2 == 0
+        unpaired_mixed.append({"prompt": user if i % 2 == 0 else text, "completion": said(answer if label else wrong),
+                               "label": label, "images": [f"{i}.png"] if i % 2 == 0 else []})  # fmt: skip
         # In batches of 4 read in order, the first row ties; in every other batch the second one too.
         tie = i % 4 == 0 or i % 8 == 1
         prompt.append({"prompt": user, "images": [f"{i}.png"], "solution": sample.answer, "tie": tie})
     # Row 3's image does not decode: skipped at load (data.on_bad_row=skip), on rank 1 (rows 1, 3).
     (dirpath / "bad.png").write_bytes(b"not a png")
     skip = [{**row, "images": ["bad.png"]} if i == 3 else row for i, row in enumerate(prompt)]
-    files = {"sft": sft, "preference": preference, "prompt": prompt, "prompt_skip": skip, "sft_mixed": mixed}
+    files = {"sft": sft, "preference": preference, "prompt": prompt, "prompt_skip": skip, "sft_mixed": mixed,
+             "unpaired_mixed": unpaired_mixed}  # fmt: skip
     for name, rows in files.items():
         (dirpath / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return dirpath
@@ -256,6 +261,18 @@ EQUIVALENCE: dict[str, list[str]] = {
         "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl",
         *KTO_VALIDATION,
     ],  # fmt: skip
+    # KTO on sft_mixed's layout (rank 1 text-only, the tower trained): the KL half reuses the matched half's
+    # image features, and neither rank runs the tower again there (vision_every_rank), in training and in
+    # the validation's loss.
+    "kto_mixed": [
+        "method=kto",
+        "data.train=${oc.env:DDP_TEST_DATA}/unpaired_mixed.jsonl",
+        "data.val=${oc.env:DDP_TEST_DATA}/unpaired_mixed.jsonl",
+        "data.shuffle=false",
+        "model.freeze_vision_tower=false",
+        "trainer.limit_val_batches=1",
+        "method.val_max_new_tokens=2",
+    ],  # fmt: skip
     # APO-zero: one sequence per row and no z0; each rank's mean rescaled to the mean over all rows
     "kto_apo_zero": [
         "method=kto",
@@ -353,6 +370,7 @@ EXPORTS = {"full": [], "lora": ["lora=default"]}
 FSDP_EQUIVALENCE = (
     "sft",
     "sft_mixed",
+    "kto_mixed",
     "dpo",
     "dpo_precomputed_lora",
     "grpo_dapo",

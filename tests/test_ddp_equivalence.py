@@ -6,7 +6,7 @@ its result with a one-process run made here:
   offline methods, the same logged step metrics), for every
   method (the online ones on rollouts that depend only on the prompt, so both see the same samples;
   GRPO with several loss types, GSPO, GDPO, the adaptive entropy bonus and dynamic sampling),
-  under DDP and, for SFT (also with text-only rows on one rank), DPO, GRPO (also with a row skipped at
+  under DDP and, for SFT (also with text-only rows on one rank), KTO (text-only rows on one rank), DPO, GRPO (also with a row skipped at
   load), RLOO and Online DPO, under FSDP (torch's FSDP runs on CPU);
 - each rank trains on a disjoint half of the epoch's rows, together the one-process rows, also
   across a mid-epoch resume, which continues bitwise exactly;
@@ -96,6 +96,7 @@ SAME_LOGGED_METRICS = (
     "mpo_token_mean",
     "dpo_precomputed",
     "kto",
+    "kto_mixed",
     "kto_apo_zero",
 )
 
@@ -145,7 +146,7 @@ def test_two_processes_update_like_one(strategy, name, two_processes, tiny_path,
         logged = json.loads((two_processes / f"{name}.metrics.json").read_text())
         steps = {k: v for k, v in metrics.items() if k.startswith(("train/", "val/"))}
         assert steps, f"{name}: nothing logged to compare"
-        if name.startswith("kto"):  # validated: each rank holds one label, the pairs span both ranks
+        if name in ("kto", "kto_apo_zero"):  # validated: each rank holds one label, the pairs span both ranks
             assert 0 < metrics["val/rewards/accuracies"] < 1, metrics
         assert steps.keys() <= logged.keys(), f"{name}: {sorted(steps.keys() - logged.keys())}"
         for key, value in steps.items():

@@ -174,7 +174,7 @@ def test_apo_zero_unpaired_encodes_each_answer_once_with_kto_s_log_probs(tiny_pa
     # Without a reference point, no mismatched answers: B sequences instead of 2B, the same log-probs of
     # the matched answers, and a batch of one row is no special case.
     from lightning_vlm.methods.kto import KTO
-    from lightning_vlm.methods.preference_batch import encode_pairs, split_pairs
+    from lightning_vlm.methods.preference_batch import encode_columns, encode_pairs, split_pairs
     from lightning_vlm.models.vlm import VLM
 
     vlm = VLM(tiny_path())
@@ -186,7 +186,7 @@ def test_apo_zero_unpaired_encodes_each_answer_once_with_kto_s_log_probs(tiny_pa
     rows = synthetic_rows("unpaired", 3)
     pairs = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": rows[i - 1]["completion"],
               "images": r["images"]} for i, r in enumerate(rows)]  # fmt: skip
-    single, both = encode_pairs(vlm, pairs, columns=("chosen",)), encode_pairs(vlm, pairs)
+    single, both = encode_columns(vlm, pairs, None, ("chosen",))[0], encode_pairs(vlm, pairs)
     assert single.inputs["input_ids"].shape[0] == 3 and both.inputs["input_ids"].shape[0] == 6
     with torch.no_grad():
         one = vlm.token_logps(single.inputs, single.completion_mask)[0].sum(dim=1)

@@ -1,9 +1,12 @@
 """KTO (Ethayarajh et al. 2024) for VLMs: unpaired desirable / undesirable answers, TRL's loss and defaults.
 
-Each row is encoded together with its *mismatched* completion (the previous row's answer in the
-batch over all ranks, TRL's rotation by one, skipping rows of the same prompt, which TRL does not;
-``mismatched_completions``) as a pair that shares the
-row's prompt and images, so the vision tower runs once per row (``preference_batch.encode_pairs``).
+Each row is also encoded with its *mismatched* completion (the previous row's answer in the batch over
+all ranks, TRL's rotation by one, skipping rows of the same prompt, which TRL does not;
+``mismatched_completions``): two batches of B sequences over the same prompts and images
+(``preference_batch.encode_columns``). The matched one runs with autograd; the mismatched one, whose
+detached mean alone enters the loss, without, as TRL's KL pass (half the activations and backward work
+of one forward over 2B), and takes the image features the matched forward encoded, so the vision tower
+runs once per row (``KTO._answer_logps``).
 The matched answer gives the implicit reward r = logπ - logπ_ref; the mismatched ones, over every
 rank's rows, give the reference point z0. TRL's text path fixes each row's partner once at
 preprocessing, and its vision collator cycles within each device's batch; here the rotation runs over
@@ -16,6 +19,7 @@ reference point: each row is encoded alone (B sequences, not 2B), as TRL skips i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
@@ -37,11 +41,13 @@ from lightning_vlm.methods.common import (
     message_text,
     turn_off_dropout,
 )
-from lightning_vlm.methods.preference_batch import encode_pairs, split_pairs
+from lightning_vlm.methods.preference_batch import PairBatch, encode_columns
 from lightning_vlm.methods.reference_cache import prompt_key
 from lightning_vlm.methods.step_window import StepWindow, WholeSteps, window_of
 from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_tokens
 from lightning_vlm.models.reference import ReferenceModel
+from lightning_vlm.models.vision_cache import with_encoded_images
+from lightning_vlm.models.vision_every_rank import reusing_encoded_images
 from lightning_vlm.models.vlm import VLM
 from lightning_vlm.parallel.collectives import all_gather_object, gather_cat, mean_normalizer, rank
 from lightning_vlm.settings_check import check_count
@@ -198,17 +204,13 @@ class KTO(FactoryOptimized):
         others = mismatched if mismatched is not None else [r["completion"] for r in rows]
         pairs = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": other,
                   "images": r.get("images", [])} for r, other in zip(rows, others, strict=True)]  # fmt: skip
-        columns = ("chosen", "rejected") if with_z0 else ("chosen",)
-        batch = encode_pairs(self.vlm, pairs, hp.max_length, hp.one_vision_pass, columns)
-        inputs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.inputs.items()}
-        mask = batch.completion_mask.to(self.device)
-        logps = self.vlm.token_logps(inputs, mask)[0].sum(dim=1)
-        with torch.no_grad():
-            ref = self.ref.token_logps(inputs, mask)[0].sum(dim=1)
         if not with_z0:
+            [(logps, ref)] = self._answer_logps(*encode_columns(self.vlm, pairs, hp.max_length, ("chosen",)))
             return logps, ref, None
-        (logps, kl_logps), (ref, kl_ref) = split_pairs(logps), split_pairs(ref)
-        kl = (kl_logps - kl_ref).detach()
+        (logps, ref), (kl_logps, kl_ref) = self._answer_logps(
+            *encode_columns(self.vlm, pairs, hp.max_length, ("chosen", "rejected"))
+        )
+        kl = kl_logps - kl_ref
         if mismatched is None:
             # A batch of one row over all ranks (an epoch's last) has no mismatched answer: its own would
             # make z0 the reward itself. It adds nothing to z0 (0), and never raises: under DDP the other
@@ -217,6 +219,44 @@ class KTO(FactoryOptimized):
             kl = kl[:0]
         # Over every rank's rows (a collective on every step, validation included).
         return logps, ref, kto_reference_point(gather_cat(kl))
+
+    def _answer_logps(self, *batches: PairBatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(policy, reference) summed log-probs [B] of each row's answer, for batches of the same rows.
+
+        The first batch runs with autograd; the others (KTO's KL half, whose detached mean alone enters the
+        loss) without, as TRL's KL pass, so activations are kept and backpropagated for B sequences, not 2B.
+        With ``one_vision_pass`` each model's vision tower runs once, in the first batch's forward, and the
+        others take its features; otherwise every forward runs the tower itself, as TRL's do.
+        """
+        shared = self.hparams.one_vision_pass
+        scorers = (
+            (self.vlm.token_logps, self.vlm.encoded_images),
+            (self.ref.token_logps, self.ref.encoded_images),
+        )
+        loaded = [({k: v.to(self.device) if torch.is_tensor(v) else v for k, v in b.inputs.items()},
+                   b.completion_mask.to(self.device)) for b in batches]  # fmt: skip
+
+        def run(score: Callable, inputs: dict, mask: torch.Tensor, images: dict | None) -> torch.Tensor:
+            return score(inputs if images is None else with_encoded_images(inputs, images), mask)[0].sum(
+                dim=1
+            )
+
+        # Each model encodes and runs the first batch before the next model starts: under FSDP every rank
+        # must run the towers and decoders in one order, and a text-only rank runs its blank vision pass
+        # inside the decoder's forward (models/vision_every_rank.py).
+        first, encoded = [], []
+        for score, encode in scorers:
+            encoded.append(encode(loaded[0][0]) if shared else None)
+            first.append(run(score, *loaded[0], encoded[-1]))
+        with torch.no_grad(), reusing_encoded_images() if shared else contextlib.nullcontext():
+            rest = [
+                tuple(
+                    run(score, inputs, mask, images)
+                    for (score, _), images in zip(scorers, encoded, strict=True)
+                )
+                for inputs, mask in loaded[1:]
+            ]
+        return [(first[0], first[1]), *rest]
 
     def training_step(self, rows: list[dict], batch_idx: int) -> torch.Tensor:
         loss, metrics, labels = self._loss(rows, train=True)

@@ -21,8 +21,8 @@ from lightning_vlm.models.vision_cache import repeated_groups, with_image_groups
 
 @dataclass
 class PairBatch:
-    """Encoded answers: ``inputs`` (kB rows for k ``columns``; for pairs, chosen at even rows) and the
-    answer-token mask [kB, L]."""
+    """Encoded answers: ``inputs`` (for pairs 2B rows, chosen at even rows; ``encode_columns``: B rows) and
+    the answer-token mask."""
 
     inputs: dict
     completion_mask: torch.Tensor
@@ -44,17 +44,37 @@ def answer_ids(vlm, prompt: list[dict], answer: list[dict], where: str) -> list[
 
 
 def encode_pairs(
-    vlm,
-    rows: list[dict],
-    max_length: int | None = None,
-    one_vision_pass: bool = True,
-    columns: Sequence[str] = ("chosen", "rejected"),
+    vlm, rows: list[dict], max_length: int | None = None, one_vision_pass: bool = True
 ) -> PairBatch:
-    """Preference rows -> :class:`PairBatch`; ``max_length`` cuts answers (never the prompt) from the right.
+    """Preference rows -> :class:`PairBatch`; ``max_length`` cuts answers (never the prompt) from the right."""
+    prompts, completions = _prompts_and_answers(vlm, rows, max_length, ("chosen", "rejected"))
+    inputs = vlm.encode_prompt_completion(repeat_samples(prompts, 2, vlm.config), completions)
+    if one_vision_pass:
+        inputs = with_image_groups(inputs, repeated_groups(len(rows), 2))
+    return PairBatch(inputs=inputs, completion_mask=inputs["completion_mask"].bool(), num_pairs=len(rows))
 
-    ``columns`` are the answers encoded after each prompt, in that order (row ``k·i + j`` is row i's
-    ``columns[j]``): KTO without a reference point needs only ``("chosen",)``, half the sequences.
+
+def encode_columns(vlm, rows: list[dict], max_length: int | None, columns: Sequence[str]) -> list[PairBatch]:
+    """One batch per column, row i of each holding row i's answer in it after row i's prompt and images.
+
+    The prompts are processed once, and every batch carries the same image extras row for row, so one
+    vision pass can serve them all (``vision_cache.with_encoded_images``): KTO runs its matched answers with
+    autograd and its mismatched ones without, as two forwards of B sequences.
     """
+    k = len(columns)
+    prompts, completions = _prompts_and_answers(vlm, rows, max_length, columns)
+    batches = []
+    for j in range(k):
+        inputs = vlm.encode_prompt_completion(prompts, completions[j::k])
+        batches.append(PairBatch(inputs, inputs["completion_mask"].bool(), len(rows)))
+    return batches
+
+
+def _prompts_and_answers(
+    vlm, rows: list[dict], max_length: int | None, columns: Sequence[str]
+) -> tuple[dict, list[list[int]]]:
+    """The encoded prompts [B] and the answers' token ids (entry ``k·i + j``: row i's ``columns[j]``), each
+    answer cut to what ``max_length`` leaves after its prompt."""
     for i, row in enumerate(rows):
         for column in columns:
             if any(b.get("type") == "image" for m in row[column] for b in _blocks(m)):
@@ -79,10 +99,7 @@ def encode_pairs(
                 )
             for j in range(k * i, k * i + k):
                 completions[j] = completions[j][:room]
-    inputs = vlm.encode_prompt_completion(repeat_samples(prompts, k, vlm.config), completions)
-    if one_vision_pass and k > 1:  # one answer a prompt: every image is unique already
-        inputs = with_image_groups(inputs, repeated_groups(len(rows), k))
-    return PairBatch(inputs=inputs, completion_mask=inputs["completion_mask"].bool(), num_pairs=len(rows))
+    return prompts, completions
 
 
 def _blocks(message: dict) -> list[dict]:

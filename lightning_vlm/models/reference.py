@@ -15,6 +15,7 @@ import copy
 import torch
 
 from .modes import evaluating
+from .vision_cache import encoded_images
 from .vlm import VLM
 
 
@@ -58,6 +59,12 @@ class ReferenceModel:
                 model, inputs, target_mask, temperature, return_entropy, mask_suppressed, chunk_size
             )
         return out[:2]
+
+    @torch.no_grad()
+    def encoded_images(self, inputs: dict) -> dict:
+        """The reference's vision features of ``inputs``' images, for ``vision_cache.with_encoded_images``."""
+        with self._model() as model:
+            return encoded_images(self.vlm, inputs, model)
 
     def to(self, device: torch.device | str) -> ReferenceModel:
         """Move the frozen copy to ``device``, each weight in the dtype of the policy's (a no-op for the

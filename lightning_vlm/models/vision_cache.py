@@ -39,6 +39,8 @@ from .families import family_of
 from .image_tokens import features_per_sample, merge_image_inputs, num_images_per_sample, split_image_inputs
 
 IMAGE_GROUPS_KEY = "image_groups"
+# Images a batch's forward takes already encoded (with_encoded_images), so it runs no vision tower.
+ENCODED_KEY = "encoded_images"
 
 
 def repeated_groups(num_sets: int, repeats: int) -> torch.Tensor:
@@ -111,26 +113,43 @@ def _encoder_outputs(output, index: torch.Tensor, deepstack: bool):
     return type(output)(pooler_output=pooled, deepstack_features=levels)
 
 
+def encoded_images(vlm, inputs: dict, model: torch.nn.Module) -> dict:
+    """``mm_encoder_outputs`` for the images of ``inputs``: the vision tower of ``model`` runs once per image
+    group (``IMAGE_GROUPS_KEY``; without it, once per row), with autograd as enabled. ``{}`` without images.
+
+    Hand the result to batches whose row i holds row i's images (``with_encoded_images``) to share one vision
+    pass between several forwards (KTO's two halves); ``shared_hidden_states`` calls it otherwise.
+    """
+    if "pixel_values" not in inputs or not any(num_images_per_sample(inputs, vlm.config)):
+        return {}
+    groups = inputs.get(IMAGE_GROUPS_KEY)
+    if groups is None:
+        groups = torch.arange(inputs["input_ids"].shape[0])
+    unique, index = unique_image_inputs(inputs, groups.cpu(), vlm.config)
+    features = image_features(model.model, unique)
+    return {"image": _encoder_outputs(features, index, family_of(vlm.config).deepstack)}
+
+
+def with_encoded_images(inputs: dict, encoded: dict) -> dict:
+    """A copy of ``inputs`` whose forward takes ``encoded`` (``encoded_images`` of a batch with the same images
+    in the same rows) instead of running the vision tower."""
+    return {**inputs, ENCODED_KEY: encoded}
+
+
 def shared_hidden_states(vlm, inputs: dict, model: torch.nn.Module) -> torch.Tensor:
-    """Last hidden states [B, L, H] of ``model`` (a ``*ForConditionalGeneration``), one vision pass per group.
+    """Last hidden states [B, L, H] of ``model`` (a ``*ForConditionalGeneration``), one vision pass per group,
+    or none when ``inputs`` carry their encoded images (``with_encoded_images``).
 
     ``vlm`` is the :class:`~lightning_vlm.models.vlm.VLM` (for ``model_inputs`` and the config);
     ``model`` is its HF model or a reference copy. Rows without images (or a text-only batch)
     simply take the plain forward.
     """
-    backbone = model.model
+    encoded = inputs[ENCODED_KEY] if ENCODED_KEY in inputs else encoded_images(vlm, inputs, model)
     kwargs = vlm.model_inputs(inputs)
-    if "pixel_values" not in inputs or not any(num_images_per_sample(inputs, vlm.config)):
-        # No features, as generate passes for prompts without images: on several processes the blank
-        # vision pass then runs where a rank with images encodes them (models/vision_every_rank.py).
-        kwargs = {
-            k: v for k, v in kwargs.items() if k not in ("pixel_values", *family_of(vlm.config).image_keys)
-        }
-        return backbone(**kwargs, mm_encoder_outputs={}, use_cache=False).last_hidden_state
     family = family_of(vlm.config)
-    groups = inputs[IMAGE_GROUPS_KEY]
-    unique, index = unique_image_inputs(inputs, groups.cpu(), vlm.config)
-    encoded = {"image": _encoder_outputs(image_features(backbone, unique), index, family.deepstack)}
-    for key in ("pixel_values", *family.encoder_only_keys):
+    # Without images, no features, as generate passes for prompts without images: on several processes the
+    # blank vision pass then runs where a rank with images encodes them (models/vision_every_rank.py).
+    dropped = family.encoder_only_keys if encoded else family.image_keys
+    for key in ("pixel_values", *dropped):
         kwargs.pop(key, None)
-    return backbone(**kwargs, mm_encoder_outputs=encoded, use_cache=False).last_hidden_state
+    return model.model(**kwargs, mm_encoder_outputs=encoded, use_cache=False).last_hidden_state

@@ -25,7 +25,9 @@ vision weights (a frozen reference copy).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,6 +42,19 @@ if TYPE_CHECKING:
 
 # Keys that carry visual input to a backbone's forward (precomputed features count as images).
 VISUAL_KEYS = ("pixel_values", "pixel_values_videos", "mm_encoder_outputs")
+_REUSING = contextvars.ContextVar("reusing_encoded_images", default=False)
+
+
+@contextlib.contextmanager
+def reusing_encoded_images() -> Iterator[None]:
+    """Forwards inside take images an earlier forward of the step encoded (``vision_cache.with_encoded_images``):
+    no blank pass runs in them. A rank with images runs no tower there either, and a text-only rank ran its
+    blank in that earlier forward, so every rank keeps running the tower equally often."""
+    token = _REUSING.set(True)
+    try:
+        yield
+    finally:
+        _REUSING.reset(token)
 
 
 def gathers_weights(module: torch.nn.Module) -> bool:
@@ -144,7 +159,7 @@ class VisionEveryRank:
         # Left over only if a forward raised between the hooks: the stale graph would block deepcopy.
         self.pending.pop(id(module), None)
         self.deferred.pop(id(self.language_model(module)), None)
-        if has_visual_input(kwargs) or not is_prefill(kwargs):
+        if has_visual_input(kwargs) or not is_prefill(kwargs) or _REUSING.get():
             return
         if not needs_vision_pass(module, self.language_attrs):
             return

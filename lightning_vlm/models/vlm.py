@@ -21,10 +21,10 @@ from .image_tokens import NUM_IMAGES_KEY, check_image_tokens
 from .logprobs import scatter_to_tokens, scored_positions, selective_logps, softcapped
 from .model_source import check_model_source, hub_location
 from .special_tokens import end_of_turn_token, vision_special_ids
-from .vision_cache import IMAGE_GROUPS_KEY, shared_hidden_states
+from .vision_cache import ENCODED_KEY, IMAGE_GROUPS_KEY, encoded_images, shared_hidden_states
 
 # Keys the encoders add for our own use; the HF model must not see them.
-PRIVATE_KEYS = (NUM_IMAGES_KEY, "labels", "completion_mask", IMAGE_GROUPS_KEY)
+PRIVATE_KEYS = (NUM_IMAGES_KEY, "labels", "completion_mask", IMAGE_GROUPS_KEY, ENCODED_KEY)
 VISION_ATTRS = ("visual", "vision_tower", "vision_model")
 LANGUAGE_ATTRS = ("language_model", "text_model")
 # Encoders no method feeds (Gemma 4 E2B/E4B's audio tower): always frozen, or they would be trainable
@@ -290,11 +290,16 @@ class VLM(torch.nn.Module):
     def hidden_states(self, inputs: dict, model: torch.nn.Module | None = None) -> torch.Tensor:
         """Last hidden states [B, L, H] from the backbone (no LM head, so no [B, L, V] logits)."""
         self.check_image_tokens(inputs)
-        if IMAGE_GROUPS_KEY in inputs:
-            # Rows sharing images run the vision tower once (see vision_cache.with_image_groups).
+        if IMAGE_GROUPS_KEY in inputs or ENCODED_KEY in inputs:
+            # Rows sharing images run the vision tower once (see vision_cache.with_image_groups), or not at
+            # all when an earlier forward encoded them (vision_cache.with_encoded_images).
             return shared_hidden_states(self, inputs, model or self.hf_model)
         backbone = (model or self.hf_model).model
         return backbone(**self.model_inputs(inputs), use_cache=False).last_hidden_state
+
+    def encoded_images(self, inputs: dict) -> dict:
+        """The policy's vision features of ``inputs``' images, for ``vision_cache.with_encoded_images``."""
+        return encoded_images(self, inputs, self.hf_model)
 
     def token_logps(
         self,
