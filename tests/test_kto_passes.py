@@ -31,23 +31,26 @@ def kto(tiny_path, family: str, one_vision_pass: bool = True) -> KTO:
 
 def unpaired_rows() -> list[dict]:
     rows = synthetic_rows("unpaired", 4, seed=3)
-    rows[1]["images"] = [
-        rows[1]["images"][0].resize((84, 140))
-    ]  # another grid (Qwen), other tiles (LLaVA-Next)
+    # another grid (Qwen), other tiles (LLaVA-Next)
+    rows[1]["images"] = [rows[1]["images"][0].resize((84, 140))]
     return rows
 
 
-def one_forward_loss(module: KTO, rows: list[dict]) -> torch.Tensor:
-    """The loss from one forward over every row's matched and mismatched answers (the naive batch)."""
+def mismatched_pairs(rows: list[dict]) -> list[dict]:
     others = [rows[i - 1]["completion"] for i in range(len(rows))]  # 4 rows of 4 prompts: the rotation
-    pairs = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": o, "images": r["images"]}
-             for r, o in zip(rows, others, strict=True)]  # fmt: skip
-    batch = encode_pairs(module.vlm, pairs, one_vision_pass=False)
+    return [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": o, "images": r["images"]}
+            for r, o in zip(rows, others, strict=True)]  # fmt: skip
+
+
+def one_forward(module: KTO, rows: list[dict]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The loss from one forward over every row's matched and mismatched answers (the naive batch), and the
+    summed log-probs [B] it came from: policy, reference, and both on the mismatched answers."""
+    batch = encode_pairs(module.vlm, mismatched_pairs(rows), one_vision_pass=False)
     logps, kl_logps = split_pairs(module.vlm.token_logps(batch.inputs, batch.completion_mask)[0].sum(dim=1))
     ref, kl_ref = split_pairs(module.ref.token_logps(batch.inputs, batch.completion_mask)[0].sum(dim=1))
     z0 = kto_reference_point((kl_logps - kl_ref).detach())
     desirable = torch.tensor([bool(r["label"]) for r in rows])
-    return kto_losses(logps - ref, desirable, z0, 0.1).mean()
+    return kto_losses(logps - ref, desirable, z0, 0.1).mean(), [logps, ref, kl_logps, kl_ref]
 
 
 def gradients(module: KTO, loss: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -78,8 +81,15 @@ def test_the_kl_half_runs_without_autograd_and_the_step_is_unchanged(tiny_path, 
     with torch.no_grad(), TowerCounter(module.vlm.vision_tower) as once:
         module.vlm.token_logps(single.inputs, single.completion_mask)
     assert (tower.calls, tower.units) == (1, once.units)
-    expected = one_forward_loss(module, rows)
+    expected, naive = one_forward(module, rows)
     torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-5)
+    # The KL half itself: z0 clamps a negative mean to 0, which would hide a wrong one in the loss.
+    with torch.no_grad():
+        halves = module._answer_logps(
+            *encode_columns(module.vlm, mismatched_pairs(rows), None, ("chosen", "rejected"))
+        )
+    for got, want in zip([v for half in halves for v in half], naive, strict=True):
+        torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=1e-5)
     ours, naive = gradients(module, loss), gradients(module, expected)
     assert ours.keys() == naive.keys()
     assert any(".visual." in n or "vision" in n for n in ours), "the tower's gradient is compared too"

@@ -124,9 +124,10 @@ class VisionEveryRank:
     at the point where a rank with images runs it, and adds exactly 0 from its features.
 
     Where is that point? When the images were encoded before the backbone (``generate``, and
-    ``vision_cache.shared_hidden_states``), the backbone receives ``mm_encoder_outputs`` (``{}``
-    without images) and the vision tower ran before the text embeddings: the blank runs in the
-    backbone's pre-hook. When the backbone gets pixels itself (SFT, KTO), every family looks up the
+    ``vision_cache.shared_hidden_states``: DPO, online RL, KTO), the backbone receives
+    ``mm_encoder_outputs`` (``{}`` without images) and the vision tower ran before the text embeddings: the
+    blank runs in the backbone's pre-hook. When the backbone gets pixels itself (SFT, KTO with
+    ``one_vision_pass=false``), every family looks up the
     text embeddings first and runs the tower next, before its language model: the blank runs in the
     language model's pre-hook. ZeRO-3 gathers the embeddings too, so the order matters there.
 
