@@ -23,6 +23,7 @@ from lightning_vlm.callbacks.rng_states import RngStates
 from lightning_vlm.callbacks.run_report import RunReport, finish_reports
 from lightning_vlm.callbacks.validated_step import ValidatedStep, validated_final_step
 from lightning_vlm.ckpt_path import checkpoint_to_load, last_checkpoint, restore_errors
+from lightning_vlm.hub_reach import offline_if_unreachable
 from lightning_vlm.loggers import WandbRunId, builds_wandb, ending_runs, start_runs, wandb_run_id
 from lightning_vlm.models.scale_guard import check_model_scale
 from lightning_vlm.parallel.collectives import launcher_rank
@@ -103,6 +104,7 @@ def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
     """Seeds, checks the model against its settings, and builds the datamodule and the method module
     (with its VLM): what train.py and eval.py share."""
     check_settings(cfg)  # settings that would fail later with a traceback, refused naming the setting
+    offline_if_unreachable(cfg)  # a missing model or dataset named at once, not after minutes of retries
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     if cfg.get("float32_matmul_precision"):
@@ -121,6 +123,12 @@ def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
     # _convert_="all": plain containers in hparams, so checkpoints load with weights_only=True.
     module: L.LightningModule = hydra.utils.instantiate(cfg.method, vlm=vlm, _convert_="all")
     return datamodule, module
+
+
+def _has_validation(datamodule: L.LightningDataModule) -> bool:
+    """Whether ``datamodule`` gives validation batches (an empty list is Lightning's "none")."""
+    loaders = datamodule.val_dataloader()
+    return not (isinstance(loaders, list | tuple) and len(loaders) == 0)
 
 
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
@@ -195,7 +203,12 @@ def _fit(
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     wanted = cfg.get("optimized_metric")
     stale = wanted in trainer.callback_metrics and not validated_final_step(trainer)
-    if wanted and (wanted not in trainer.callback_metrics or stale) and trainer.limit_val_batches != 0:
+    if (
+        wanted
+        and (wanted not in trainer.callback_metrics or stale)
+        and trainer.limit_val_batches != 0
+        and _has_validation(datamodule)
+    ):
         # The run ended before its first validation (e.g. trainer.max_steps below val_check_interval), or
         # after its last one (max_steps=3, val_check_interval=2): validate the final weights once, so a
         # short run and a sweep report their metric, and the model card the exported weights'.

@@ -187,6 +187,24 @@ def synthetic_source(
     return Source(rows, f"synthetic [{split}, seed {split_seed}]", trusted=True)
 
 
+def spec_path(spec: Any) -> str | None:
+    """The path of a source spec (a string, or a mapping's ``path``); None for anything else."""
+    spec = plain(spec)
+    if isinstance(spec, str | Path):
+        return str(spec)
+    return str(spec["path"]) if isinstance(spec, Mapping) and "path" in spec else None
+
+
+def locate(path: str) -> str:
+    """Where a source path's rows come from: ``synthetic``, ``local`` (an existing file or folder),
+    ``missing`` (a local path, by its form, that does not exist) or ``hub`` (a dataset name)."""
+    if path == "synthetic":
+        return "synthetic"
+    if Path(path).expanduser().exists():
+        return "local"
+    return "missing" if _looks_like_path(path) else "hub"
+
+
 def load_source(
     spec: str | Mapping, shape: str, split: str = "train", synthetic: Mapping | None = None
 ) -> Source:
@@ -213,6 +231,6 @@ def load_source(
         return from_folder(local, spec.get("subset"), split)
     if local.is_file():
         return _from_file(local, split, explicit)
-    if _looks_like_path(path):
+    if locate(path) == "missing":
         raise SourceError(f"no such file or folder: {local.resolve()}")
     return _from_hub(path, spec.get("subset"), split)

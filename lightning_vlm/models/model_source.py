@@ -23,7 +23,8 @@ def hub_location(model_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in (model_kwargs or {}).items() if k in LOCATION_KEYS}
 
 
-def _offline() -> bool:
+def hub_offline() -> bool:
+    """Whether huggingface_hub is offline (HF_HUB_OFFLINE), as read at import or set since."""
     from huggingface_hub import constants
 
     # The constant is read when huggingface_hub is imported; the variable may have been set since.
@@ -66,7 +67,7 @@ def check_model_source(
             f"{setting}={name_or_path!r}: the local folder {str(path.absolute())!r} does not exist (and the "
             "value is no hub id, which has the form 'name' or 'namespace/name')"
         )
-    if not hub or not _offline():
+    if not hub or not hub_offline():
         return
     from huggingface_hub import try_to_load_from_cache
     from huggingface_hub.constants import HF_HUB_CACHE
