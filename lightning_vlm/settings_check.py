@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
 from lightning_vlm.ckpt_path import check_ckpt_path
+from lightning_vlm.data.sources import locate, spec_path
 from lightning_vlm.methods.dynamic_sampling import DynamicSampling
 from lightning_vlm.models.model_source import check_model_source
 
@@ -50,11 +52,19 @@ def check_settings(cfg: DictConfig) -> None:
         # Local folders only: whether a hub id can be fetched is said by the scale guard (tiny settings)
         # or by the VLM itself, which also knows the cache folder and revision.
         check_model_source(str(model.model_name_or_path), hub=False)
+    for key in ("train", "val"):
+        path = spec_path(data.get(key))
+        if path is not None and locate(path) == "missing":
+            # Found only once the model is built and fit has started, inside Lightning's data hooks.
+            raise FileNotFoundError(
+                f"data.{key}={path!r}: no such file or folder ({Path(path).expanduser().resolve()}); "
+                "relative paths are read from the directory train.py runs in"
+            )
     check_ckpt_path(cfg.get("ckpt_path"))
     optimizer = method.get("optimizer") or {}
     lr = optimizer.get("lr")
-    if _number(lr) and lr < 0:
-        raise ValueError(f"method.optimizer.lr must be >= 0, got {lr}")
+    if lr is not None and (not _number(lr) or lr < 0):  # torch's own errors come from its step, unnamed
+        raise ValueError(f"method.optimizer.lr must be a number >= 0, got {lr!r}")
     if online:
         _check_online(method, data)
         _check_online_trainer(trainer, method, data)
@@ -63,6 +73,18 @@ def check_settings(cfg: DictConfig) -> None:
 
 
 def _check_trainer(trainer: Any, online: bool) -> None:
+    # Lightning compares these with numbers in its constructor: a TypeError naming neither setting.
+    steps = trainer.get("max_steps", -1)
+    if not isinstance(steps, int) or isinstance(steps, bool):
+        raise ValueError(
+            f"trainer.max_steps must be a whole number (-1: no step limit, trainer.max_epochs then bounds the "
+            f"run), got {steps!r}"
+        )
+    epochs = trainer.get("max_epochs")
+    if epochs is not None and (not isinstance(epochs, int) or isinstance(epochs, bool)):
+        raise ValueError(
+            f"trainer.max_epochs must be a whole number (-1: no epoch limit) or null, got {epochs!r}"
+        )
     accumulate = trainer.get("accumulate_grad_batches")
     if accumulate is not None and (not isinstance(accumulate, int) or accumulate < 1):
         raise ValueError(

@@ -46,6 +46,16 @@ TRAIN_CASES = [
     (["method=grpo", "trainer=deepspeed_zero2", "method.micro_batch_size=8"], ValueError,
      r"method\.micro_batch_size=8 splits each optimizer step's 32 completions .* method\.micro_batch_size=null", NEW),
     (["trainer.max_steps=-5"], InstantiationException, r"max_steps. must be a non-negative", CLEAR),
+    # Lightning's TypeError ("'<' not supported between instances of 'str' and 'int'") named no setting;
+    # null is what a user trying to train by epochs writes
+    (["trainer.max_steps=abc"], ValueError, r"trainer\.max_steps must be a whole number .*got 'abc'", NEW),
+    (["trainer.max_steps=null", "trainer.max_epochs=1"], ValueError, r"trainer\.max_steps .*-1: no step limit", NEW),
+    (["trainer.max_epochs=1.5"], ValueError, r"trainer\.max_epochs must be a whole number", NEW),
+    # torch's TypeError came from inside configure_optimizers
+    (["method.optimizer.lr=abc"], ValueError, r"method\.optimizer\.lr must be a number >= 0, got 'abc'", NEW),
+    # found only once fit had started, in a traceback through Lightning's data hooks, naming no setting
+    (["data.train=/no/such/train.jsonl"], FileNotFoundError, r"data\.train='/no/such/train\.jsonl': no such file", NEW),
+    (["data.val=./no_such_val.jsonl"], FileNotFoundError, r"data\.val='\./no_such_val\.jsonl': no such file", NEW),
     # model: a missing folder read as a malformed hub id ("Repo id must be in the form ...")
     (["model.model_name_or_path=/no/such/dir"], FileNotFoundError,
      r"model\.model_name_or_path='/no/such/dir': the local folder .* does not exist", NEW),
@@ -68,7 +78,7 @@ TRAIN_CASES = [
     (["method=grpo", "method.sampling.repetition_penalty=0"], ValueError,
      r"method\.sampling\.repetition_penalty must be > 0 or null", NEW),
     (["method=rloo", "method.sampling.min_p=2.0"], ValueError, r"method\.sampling\.min_p must be in \[0, 1\]", NEW),
-    (["method.optimizer.lr=-1"], ValueError, r"method\.optimizer\.lr must be >= 0, got -1", NEW),
+    (["method.optimizer.lr=-1"], ValueError, r"method\.optimizer\.lr must be a number >= 0, got -1", NEW),
     # online sampling: failed in the loss's log-probs or inside generate, after the first generation
     (["method=grpo", "method.sampling.temperature=0"], ValueError, r"method\.sampling\.temperature must be > 0", NEW),
     # greedy through the other switch: every completion of a prompt the same, nothing learned, no error
