@@ -125,7 +125,10 @@ def _keyword(keyword: str, trainer: L.Trainer, resuming: bool) -> str | None:
     found = last_checkpoint(trainer.checkpoint_callbacks) if keyword == "last" else None
     if found is not None:
         return _loadable(found, keyword, trainer)
-    folders = [Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)]
+    # dict: each folder once (the best and the last checkpoints share one)
+    folders = dict.fromkeys(
+        Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)
+    )
     where = ", ".join(map(str, folders)) or "none: no checkpoint callback"
     if keyword == "last" and resuming:
         log.warning("ckpt_path=last: no last.ckpt in %s, so training starts from the initial weights (a "

@@ -159,11 +159,14 @@ def test_ckpt_path_last_is_taken_only_where_a_last_checkpoint_exists(tmp_path, c
     from lightning_vlm.callbacks.last_checkpoint import LastCheckpoint
     from lightning_vlm.ckpt_path import checkpoint_to_load
 
-    trainer = L.Trainer(logger=False, callbacks=[LastCheckpoint(dirpath=tmp_path)], enable_progress_bar=False)
+    # The best and the last checkpoints share a folder, named once
+    callbacks = [LastCheckpoint(dirpath=tmp_path), L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path)]
+    trainer = L.Trainer(logger=False, callbacks=callbacks, enable_progress_bar=False)
     with pytest.raises(FileNotFoundError, match="ckpt_path=last: Lightning looks in this run's own"):
         checkpoint_to_load("last", trainer)
     assert checkpoint_to_load("last", trainer, resuming=True) is None
     assert "training starts from the initial weights" in caplog.text
+    assert f"no last.ckpt in {tmp_path}, so training" in caplog.text
     with pytest.raises(FileNotFoundError, match="ckpt_path=best"):
         checkpoint_to_load("best", trainer, resuming=True)
     (tmp_path / "last.ckpt").write_bytes(b"")

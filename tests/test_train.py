@@ -120,6 +120,7 @@ def test_train_py_on_a_data_file_without_validation_and_without_a_progress_bar_e
     assert proc.returncode == 0, proc.stderr[-4000:]
     output = proc.stdout + proc.stderr  # Hydra's console log handler writes to stdout
     assert "was not logged (no validation ran)" in output
+    assert "validating the final weights" not in output  # there are no validation rows to validate on
     # Said before the run's last lines (the report), not after them.
     assert proc.stdout.index("was not logged (no validation ran)") < proc.stdout.index("Run folder:")
     assert "Epoch 0:" not in output  # no progress bar
