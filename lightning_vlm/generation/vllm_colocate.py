@@ -34,6 +34,7 @@ from lightning_vlm.generation.weight_sync import (
     save_adapter,
     sync_colocated,
 )
+from lightning_vlm.models.chat_render import adds_bos
 
 log = logging.getLogger(__name__)
 # "merged": full weights with LoRA merged in (any model); "adapter": only the LoRA adapter is pushed
@@ -176,13 +177,13 @@ class VLLMColocateGenerator:
             for seed in request_seeds(self.seed, len(rows), num_generations)
         ]
         # Templated text with one placeholder per image + PIL images: vLLM expands them itself. The text
-        # holds the template's special tokens already: tokenized as training does, without adding more
-        # (a tokenizer that adds BOS, real Gemma 3's, would otherwise start the prompt with two).
+        # holds the template's special tokens already: tokenized as training does (chat_render.adds_bos),
+        # with the tokenizer's BOS only where the template writes none (real Gemma 3's would be doubled).
         check_image_counts(rows, self.engine)
         requests = [vllm_inputs(vlm.processor, r["prompt"], r.get("images", [])) for r in rows]
         outputs = self.llm.generate(
             requests, params, use_tqdm=False, lora_request=self._adapter,
-            tokenization_kwargs={"add_special_tokens": False},
+            tokenization_kwargs={"add_special_tokens": adds_bos(vlm.processor)},
         )  # fmt: skip
         ids, logprobs = completions_of(outputs)
         return build_rollouts(

@@ -29,7 +29,7 @@ from lightning_vlm.generation.weight_sync import (
     weights_to_bytes,
     write_weights,
 )
-from lightning_vlm.models.chat_render import render
+from lightning_vlm.models.chat_render import adds_bos, render
 
 log = logging.getLogger(__name__)
 TRANSFERS = ("folder", "body")
@@ -127,10 +127,13 @@ class VLLMServerGenerator:
             messages.insert(
                 0, {"role": "system", "content": [{"type": "text", "text": "Answer in one word."}]}
             )
+        special = adds_bos(self.vlm.processor)
         ours = self.vlm.tokenizer(
-            render(self.vlm.processor, messages, add_generation_prompt=True), add_special_tokens=False
+            render(self.vlm.processor, messages, add_generation_prompt=True), add_special_tokens=special
         )["input_ids"]
-        answer = self.client.chat({"messages": messages, "max_tokens": 1, "return_token_ids": True})
+        answer = self.client.chat(
+            {"messages": messages, "max_tokens": 1, "return_token_ids": True, "add_special_tokens": special}
+        )
         theirs = answer.get("prompt_token_ids")
         if theirs is not None and list(theirs) != list(ours):
             shape = "with a system turn" if system else "without a system turn"
@@ -158,7 +161,7 @@ class VLLMServerGenerator:
         seeds = request_seeds(self.seed, len(rows), num_generations)
         bodies = [
             {**params, "messages": openai_messages(r["prompt"], r.get("images", [])),
-             **({"seed": s} if s is not None else {})}
+             "add_special_tokens": adds_bos(vlm.processor), **({"seed": s} if s is not None else {})}
             for r, s in zip(rows, seeds, strict=True)
         ]  # fmt: skip
         for attempt in range(1, MAX_SAMPLING_ATTEMPTS + 1):

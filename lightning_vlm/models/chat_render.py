@@ -31,6 +31,28 @@ def render(processor, messages: list[dict], add_generation_prompt: bool = False)
     )
 
 
+def adds_bos(processor) -> bool:
+    """Whether text ``render`` returns is tokenised with the tokenizer's special tokens.
+
+    Rendered text holds the template's own special tokens, so it is tokenised without more (no second BOS
+    where the template writes one: real Gemma 3's). But where the tokenizer starts every text with BOS and
+    the template writes none (LLaVA-1.5's and LLaVA-NeXT-Mistral's; the models were trained with it), the
+    tokenizer adds it: transformers' rule for ``apply_chat_template(tokenize=True)``. Only a tokenizer
+    that adds nothing but BOS is asked to (one adding EOS as well would close every prompt).
+    """
+
+    def probe() -> bool:
+        tokenizer = processor.tokenizer
+        if tokenizer.bos_token is None or tokenizer.bos_token_id is None:
+            return False
+        plain = tokenizer(_PROBE, add_special_tokens=False)["input_ids"]
+        if tokenizer(_PROBE, add_special_tokens=True)["input_ids"] != [tokenizer.bos_token_id, *plain]:
+            return False
+        return not render(processor, [_USER], add_generation_prompt=True).startswith(tokenizer.bos_token)
+
+    return _cached(processor, "_lightning_vlm_adds_bos", probe)
+
+
 def _cached(processor, name: str, probe: Callable[[], Any]) -> Any:
     """``probe()``, computed once per processor and chat template (a test or user may swap templates)."""
     template = getattr(processor, "chat_template", None)

@@ -1,8 +1,8 @@
 """Rows -> model tensors: SFT (labels on assistant turns), prompts for generation, prompt+completion for RL.
 
 One processor call per batch does tokenisation, image processing and placeholder expansion; the
-chat template's own special tokens are kept as rendered (``add_special_tokens=False``, as
-``apply_chat_template(tokenize=True)`` does), so no second BOS appears.
+chat template's own special tokens are kept as rendered, and the tokenizer adds its BOS only where the
+template writes none (``chat_render.adds_bos``), as ``apply_chat_template(tokenize=True)`` does.
 
 Assistant labels are found without ``{% generation %}`` markers (few templates have them): turn i
 spans from the end of ``render(messages[:i], add_generation_prompt=True)`` to the end of its
@@ -22,7 +22,7 @@ from PIL import Image
 
 from lightning_vlm.data.rows import COMPLETION_MESSAGES
 
-from .chat_render import answer_header, render, warn_unclosed
+from .chat_render import adds_bos, answer_header, render, warn_unclosed
 from .family_rules import image_token_id
 from .image_tokens import NUM_IMAGES_KEY
 from .token_boundaries import TYPE_ID_KEYS, is_token_key, placeholder_shift, split_straddling
@@ -121,7 +121,7 @@ def process(processor, texts: list[str], images, padding_side: str, **kwargs) ->
         return_tensors="pt",
         padding=True,
         padding_side=padding_side,
-        add_special_tokens=False,
+        add_special_tokens=adds_bos(processor),
         **kwargs,
     )
     out = dict(out)
