@@ -13,6 +13,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Checkpoint, LearningRateMonitor, ProgressBar
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_vlm.config  # noqa: F401  (registers the ${tiny_vlm:...} and ${run_stamp:...} resolvers)
@@ -126,7 +127,10 @@ def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
 
 
 def _has_validation(datamodule: L.LightningDataModule) -> bool:
-    """Whether ``datamodule`` gives validation batches (an empty list is Lightning's "none")."""
+    """Whether ``datamodule`` gives validation batches: Lightning's "none" is no ``val_dataloader`` or an
+    empty list from it."""
+    if not is_overridden("val_dataloader", datamodule):
+        return False
     loaders = datamodule.val_dataloader()
     return not (isinstance(loaders, list | tuple) and len(loaders) == 0)
 

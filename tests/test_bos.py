@@ -59,3 +59,13 @@ def test_rows_start_with_the_bos_transformers_would_add(add_bos_token, template)
     assert ids.count(tokenizer.bos_token_id) == int(add_bos_token)
     trained = [i for i, label in zip(ids, sft["labels"][0].tolist(), strict=True) if label != -100]
     assert tokenizer.decode(trained).strip() == "red</s>"
+
+
+def test_a_processor_that_is_its_tokenizer_is_read_alike():
+    # VLM takes a processor without a .tokenizer as the tokenizer itself (processor_fingerprint too)
+    from lightning_vlm.models.chat_render import adds_bos
+
+    for add_bos_token in (True, False):
+        tokenizer = llava_processor(add_bos_token).tokenizer
+        tokenizer.chat_template = LLAVA_1_5
+        assert adds_bos(tokenizer) == add_bos_token

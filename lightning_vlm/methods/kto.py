@@ -225,8 +225,9 @@ class KTO(FactoryOptimized):
 
         The first batch runs with autograd; the others (KTO's KL half, whose detached mean alone enters the
         loss) without, as TRL's KL pass, so activations are kept and backpropagated for B sequences, not 2B.
-        With ``one_vision_pass`` each model's vision tower runs once, in the first batch's forward, and the
-        others take its features; otherwise every forward runs the tower itself, as TRL's do.
+        With ``one_vision_pass`` each model's vision tower runs once, on the first batch's images just before
+        its forward, and every batch takes those features; otherwise each forward runs the tower itself, as
+        TRL's do.
         """
         shared = self.hparams.one_vision_pass
         scorers = (

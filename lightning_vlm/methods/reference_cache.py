@@ -20,8 +20,9 @@ import torch
 from PIL import Image
 from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
-# Bump when the meaning of a stored value changes (e.g. how answers are tokenised).
-FORMAT_VERSION = 1
+# Bump when the meaning of a stored value changes (e.g. how answers are tokenised). 2: prompts start with
+# the tokenizer's BOS where the template writes none (chat_render.adds_bos: LLaVA-1.5, LLaVA-NeXT-Mistral).
+FORMAT_VERSION = 2
 
 
 def _image_digest(image) -> str:

@@ -42,7 +42,7 @@ def adds_bos(processor) -> bool:
     """
 
     def probe() -> bool:
-        tokenizer = processor.tokenizer
+        tokenizer = getattr(processor, "tokenizer", processor)  # a VLM's processor may be its tokenizer
         if tokenizer.bos_token is None or tokenizer.bos_token_id is None:
             return False
         plain = tokenizer(_PROBE, add_special_tokens=False)["input_ids"]

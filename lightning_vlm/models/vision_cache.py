@@ -13,6 +13,9 @@ API (for DPO, online RL, anything that scores several sequences per image set):
   see :func:`repeated_groups`). Rows of one group must carry identical image extras (checked).
 - Call the usual ``vlm.token_logps(inputs, mask)`` or ``ReferenceModel.token_logps(inputs, mask)``:
   ``VLM.hidden_states`` sees the ``image_groups`` key and routes through :func:`shared_hidden_states`.
+- Several batches with the same images row for row (KTO's matched and mismatched answers): encode them
+  once, ``encoded = vlm.encoded_images(inputs)`` (or ``ReferenceModel.encoded_images``), and hand them to
+  each batch's forward with ``with_encoded_images(batch_inputs, encoded)``.
 
 How: the image extras of the first row of each group are merged into one small batch,
 ``get_image_features`` runs once on it (with autograd when the tower trains: gradients of all
