@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from lightning_vlm.data.sources import locate, spec_path
 from lightning_vlm.models.model_source import hub_offline, is_hub_id
 
@@ -23,12 +25,30 @@ log = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 5.0
 
 
+def _model_names(node: Any) -> list[str]:
+    """Every ``model_name_or_path`` inside ``node`` (reward models, a ``TaskReward``'s routes)."""
+    if isinstance(node, Mapping):
+        own = [str(node["model_name_or_path"])] if node.get("model_name_or_path") is not None else []
+        return own + [
+            n for key, value in node.items() if key != "model_name_or_path" for n in _model_names(value)
+        ]
+    if isinstance(node, list | tuple):
+        return [n for value in node for n in _model_names(value)]
+    return []
+
+
 def hub_names(cfg: Mapping[str, Any]) -> list[str]:
-    """The model and dataset names in a train/eval config that only the hub can resolve."""
-    names = []
-    model = (cfg.get("model") or {}).get("model_name_or_path")
-    if model is not None and not Path(str(model)).expanduser().exists() and is_hub_id(str(model)):
-        names.append(str(model))
+    """The model and dataset names in a train/eval config that only the hub can resolve: the policy's,
+    reward models', and the data's."""
+    reward_funcs = OmegaConf.to_container(
+        OmegaConf.create({"r": (cfg.get("method") or {}).get("reward_funcs")})
+    )
+    models = [(cfg.get("model") or {}).get("model_name_or_path"), *_model_names(reward_funcs)]
+    names = [
+        str(m)
+        for m in models
+        if m is not None and not Path(str(m)).expanduser().exists() and is_hub_id(str(m))
+    ]
     data = cfg.get("data") or {}
     for key in ("train", "val"):
         path = spec_path(data.get(key))

@@ -46,8 +46,12 @@ def online_but_unreachable(monkeypatch):
         (["model.model_name_or_path=Qwen/Qwen2.5-VL-3B-Instruct"], ValueError, r"model=qwen2_5_vl"),
         # a hub dataset
         (["data.train=nobody-lvlm/no-such-dataset"], SourceError, r"HF_HUB_OFFLINE=1 is set"),
+        # a reward model: transformers' "We couldn't connect to 'https://huggingface.co'" named no setting
+        (["method=grpo", "method.reward_funcs=[{_target_:lightning_vlm.rewards.RewardModel,"
+          "model_name_or_path:nobody-lvlm/no-such-rm}]"], InstantiationException,
+         r"RewardModel model_name_or_path='nobody-lvlm/no-such-rm' .* not in the hub cache"),
     ],
-    ids=["model", "scale-guard", "dataset"],
+    ids=["model", "scale-guard", "dataset", "reward-model"],
 )  # fmt: skip
 def test_an_unreachable_hub_is_tried_once_then_the_run_goes_offline(
     overrides, error, message, online_but_unreachable, tmp_path, caplog
@@ -72,6 +76,9 @@ def test_only_names_the_hub_resolves_make_a_run_ask_for_it(tmp_path, tiny_path):
         ("model.model_name_or_path=org/vlm", "data.train=org/rows", "data.val={path:org/val}"): [
             "org/vlm", "org/rows", "org/val",
         ],
+        # a reward model from the hub, and one from a local folder
+        ("method=grpo", "method.reward_funcs=[{_target_:lightning_vlm.rewards.RewardModel,model_name_or_path:org/rm},"
+         f"{{_target_:lightning_vlm.rewards.RewardModel,model_name_or_path:{tiny_path()}}}]"): ["org/rm"],
     }  # fmt: skip
     for overrides, names in cases.items():
         assert hub_names(compose_train([*SMALL, *overrides], tmp_path)) == names, overrides

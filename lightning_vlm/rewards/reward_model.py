@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from lightning_vlm.models.model_source import check_model_source
 from lightning_vlm.rewards.builtin import completion_text, content_text
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ class RewardModel:
                 f"RewardModel: need batch_size >= 1 and max_length >= 1; got {batch_size}, {max_length}"
             )
         self.model_name_or_path = str(model_name_or_path)
+        # A missing folder, or a hub id not cached while offline, named before transformers' generic errors.
+        check_model_source(self.model_name_or_path, "RewardModel model_name_or_path")
         self.max_length = max_length
         self.batch_size = batch_size
         # Scorers log rewards under this name, like TRL's `config._name_or_path.split("/")[-1]`.
