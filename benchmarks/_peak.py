@@ -49,3 +49,44 @@ def timed_peak(step: Callable[[], object], device) -> tuple[float, float]:
     else:
         peak = _status("VmHWM:")
     return time.perf_counter() - start, float(peak - base)
+
+
+def add_medians(
+    row: dict, samples: dict[str, list[tuple[float, float]]], slow: str, fast: str, ratio: str | None = None
+) -> dict:
+    """``row`` with each path's median step seconds and peak MiB (and every step's seconds) from its
+    (seconds, bytes) ``samples``, and the ``slow`` path's time and memory over the ``fast`` one's (keys
+    ``*_ratio_<ratio>``, by default ``<slow>_over_<fast>``); printed."""
+    ratio = ratio or f"{slow}_over_{fast}"
+    import json
+    import statistics
+
+    for path, values in samples.items():
+        row[f"{path}_step_s_median"] = statistics.median(t for t, _ in values)
+        row[f"{path}_peak_mib_median"] = statistics.median(m for _, m in values) / 2**20
+        row[f"{path}_step_s_all"] = [round(t, 5) for t, _ in values]
+    row[f"time_ratio_{ratio}"] = row[f"{slow}_step_s_median"] / row[f"{fast}_step_s_median"]
+    row[f"memory_ratio_{ratio}"] = row[f"{slow}_peak_mib_median"] / max(row[f"{fast}_peak_mib_median"], 1e-9)
+    print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
+    return row
+
+
+def write_report(out: str, what: str, device, threads: int, repeats: int, results: list[dict]) -> None:
+    """The benchmark's JSON at ``out``: what was measured, where, with which versions, and the results."""
+    import json
+    import platform
+
+    import torch
+
+    report = {
+        "what": what,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({threads} threads)",
+        "memory": "cuda max_memory_allocated" if device.type == "cuda" else "VmHWM rise over VmRSS",
+        "repeats": repeats,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "results": results,
+    }
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")

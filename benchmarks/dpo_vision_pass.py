@@ -11,15 +11,12 @@ Peak memory as ``_peak.timed_peak`` measures it.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from _peak import mmap_large_blocks, timed_peak
+from _peak import add_medians, mmap_large_blocks, timed_peak, write_report
 
 mmap_large_blocks()
 import torch  # noqa: E402
@@ -69,16 +66,7 @@ def run(name: str, vlm: VLM, pairs: list[int], repeats: int, device: torch.devic
             samples["naive"].append(measure(vlm, naive, mask, device))
         row = {"model": name, "pairs": num_pairs, "sequences": 2 * num_pairs,
                "image_tokens_per_image": int((batch.inputs["input_ids"][0] == vlm.config.image_token_id).sum())}  # fmt: skip
-        for path, values in samples.items():
-            row[f"{path}_step_s_median"] = statistics.median(t for t, _ in values)
-            row[f"{path}_peak_mib_median"] = statistics.median(m for _, m in values) / 2**20
-            row[f"{path}_step_s_all"] = [round(t, 5) for t, _ in values]
-        row["time_ratio_naive_over_one_pass"] = row["naive_step_s_median"] / row["one_pass_step_s_median"]
-        row["memory_ratio_naive_over_one_pass"] = row["naive_peak_mib_median"] / max(
-            row["one_pass_peak_mib_median"], 1e-9
-        )
-        print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
-        results.append(row)
+        results.append(add_medians(row, samples, "naive", "one_pass"))
     return results
 
 
@@ -100,18 +88,8 @@ def main() -> None:
         results += run("qwen2_5_vl_vision8x256_224px", large, args.pairs, args.repeats, device)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    report = {
-        "what": "forward+backward of summed answer log-probs over chosen+rejected; vision tower trainable",
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({args.threads} threads)",
-        "memory": "cuda max_memory_allocated" if device.type == "cuda" else "VmHWM rise over VmRSS",
-        "repeats": args.repeats,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "results": results,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    what = "forward+backward of summed answer log-probs over chosen+rejected; vision tower trainable"
+    write_report(args.out, what, device, args.threads, args.repeats, results)
 
 
 if __name__ == "__main__":

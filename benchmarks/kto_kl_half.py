@@ -12,15 +12,12 @@ most of the step's memory. Both paths compute the same loss (checked each run) a
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from _peak import mmap_large_blocks, timed_peak
+from _peak import add_medians, mmap_large_blocks, timed_peak, write_report
 
 mmap_large_blocks()
 import torch  # noqa: E402
@@ -95,18 +92,7 @@ def run(name: str, vlm: VLM, sizes: list[int], repeats: int, device: torch.devic
             for label, path in paths.items():
                 samples[label].append(step(vlm, path, rows, device))
         row = {"model": name, "rows": size, "loss": losses[0]}
-        for label, values in samples.items():
-            row[f"{label}_step_s_median"] = statistics.median(t for t, _ in values)
-            row[f"{label}_peak_mib_median"] = statistics.median(m for _, m in values) / 2**20
-            row[f"{label}_step_s_all"] = [round(t, 5) for t, _ in values]
-        row["time_ratio_single_over_no_grad"] = (
-            row["single_forward_step_s_median"] / row["kl_half_no_grad_step_s_median"]
-        )
-        row["memory_ratio_single_over_no_grad"] = row["single_forward_peak_mib_median"] / max(
-            row["kl_half_no_grad_peak_mib_median"], 1e-9
-        )
-        print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
-        results.append(row)
+        results.append(add_medians(row, samples, "single_forward", "kl_half_no_grad", "single_over_no_grad"))
     return results
 
 
@@ -128,19 +114,11 @@ def main() -> None:
         results += run("qwen2_5_vl_text4x512", larger, args.rows, args.repeats, device)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    report = {
-        "what": "KTO loss + backward (policy forward(s) with the reference's, z0 from the mismatched answers); "
-        "vision tower frozen (the default)",
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({args.threads} threads)",
-        "memory": "cuda max_memory_allocated" if device.type == "cuda" else "VmHWM rise over VmRSS",
-        "repeats": args.repeats,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "results": results,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    what = (
+        "KTO loss + backward (policy forward(s) with the reference's, z0 from the mismatched answers); "
+        "vision tower frozen (the default)"
+    )
+    write_report(args.out, what, device, args.threads, args.repeats, results)
 
 
 if __name__ == "__main__":
