@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from lightning_vlm.data.sources import locate, spec_path
+from lightning_vlm.data.sources import located_sources
 from lightning_vlm.models.model_source import hub_offline, is_hub_id
 
 log = logging.getLogger(__name__)
@@ -49,12 +49,7 @@ def hub_names(cfg: Mapping[str, Any]) -> list[str]:
         for m in models
         if m is not None and not Path(str(m)).expanduser().exists() and is_hub_id(str(m))
     ]
-    data = cfg.get("data") or {}
-    for key in ("train", "val"):
-        path = spec_path(data.get(key))
-        if path is not None and locate(path) == "hub":
-            names.append(path)
-    return names
+    return names + [path for _, path, where in located_sources(cfg.get("data") or {}) if where == "hub"]
 
 
 def hub_unreachable(timeout: float = PROBE_TIMEOUT_S) -> str | None:

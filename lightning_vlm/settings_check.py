@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from lightning_vlm.ckpt_path import check_ckpt_path
-from lightning_vlm.data.sources import locate, spec_path
+from lightning_vlm.data.sources import located_sources
 from lightning_vlm.methods.dynamic_sampling import DynamicSampling
 from lightning_vlm.models.model_source import check_model_source
 
@@ -52,9 +52,8 @@ def check_settings(cfg: DictConfig) -> None:
         # Local folders only: whether a hub id can be fetched is said by the scale guard (tiny settings)
         # or by the VLM itself, which also knows the cache folder and revision.
         check_model_source(str(model.model_name_or_path), hub=False)
-    for key in ("train", "val"):
-        path = spec_path(data.get(key))
-        if path is not None and locate(path) == "missing":
+    for key, path, where in located_sources(data):
+        if where == "missing":
             # Found only once the model is built and fit has started, inside Lightning's data hooks.
             raise FileNotFoundError(
                 f"data.{key}={path!r}: no such file or folder ({Path(path).expanduser().resolve()}); "

@@ -195,6 +195,12 @@ def spec_path(spec: Any) -> str | None:
     return str(spec["path"]) if isinstance(spec, Mapping) and "path" in spec else None
 
 
+def located_sources(data: Mapping) -> list[tuple[str, str, str]]:
+    """(key, path, ``locate(path)``) of the ``train`` and ``val`` sources a data config names."""
+    paths = [(key, spec_path(data.get(key))) for key in ("train", "val")]
+    return [(key, path, locate(path)) for key, path in paths if path is not None]
+
+
 def locate(path: str) -> str:
     """Where a source path's rows come from: ``synthetic``, ``local`` (an existing file or folder),
     ``missing`` (a local path, by its form, that does not exist) or ``hub`` (a dataset name)."""
