@@ -153,3 +153,14 @@ def test_reward_model_in_a_scorer_with_truncation_and_plain_prompts(reward_model
         RewardFunctionError, match=r"'right' \(RewardModel\('.*right'.*needs the `prompts` column"
     ):
         scorer(completions, {"solution": ["red"] * 3})
+
+
+def test_reward_model_names_turns_its_template_refuses(reward_model_dirs):
+    # Gemma 2 reward models' templates raise on a system turn the policy's template accepts
+    rm = RewardModel(reward_model_dirs["right"])
+    refuse = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    rm.tokenizer.chat_template = refuse + rm.tokenizer.chat_template
+    prompts, completions = _rm_batch()
+    assert len(rm.tokenize(prompts[:2], completions[:2])) == 2
+    with pytest.raises(ValueError, match=r"RewardModel .*right.*\(system, user, assistant\).*System role not"):
+        rm.tokenize(prompts, completions)

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from lightning_vlm.generation.engine_options import EngineOptions
-from lightning_vlm.models.encoding import render
+from lightning_vlm.models.encoding import render_prompt
 
 if TYPE_CHECKING:
     import vllm
@@ -203,7 +203,7 @@ def vllm_inputs(processor: Any, messages: list[dict], images: list[Image.Image])
     The text is not expanded to the processor's image tokens: vLLM expands each placeholder itself,
     and given expanded ids it would expand them a second time.
     """
-    prompt = render(processor, messages, add_generation_prompt=True)
+    prompt = render_prompt(processor, messages, images)
     inputs: dict[str, Any] = {"prompt": prompt}
     if images:
         inputs["multi_modal_data"] = {"image": list(images)}

@@ -13,6 +13,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from jinja2 import TemplateError
+
 log = logging.getLogger(__name__)
 
 _PROBE = "system-probe-7f3a"
@@ -23,12 +25,20 @@ _OPENS_BLOCK = re.compile(r"<\|?[A-Za-z_]+>\s*$")
 
 
 def render(processor, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    """The chat-templated text of ``messages`` (image blocks become the family's placeholder)."""
+    """The chat-templated text of ``messages`` (image blocks become the family's placeholder).
+
+    A conversation the template refuses (real Gemma 3's and Mistral's raise on turns that do not alternate
+    user/assistant) raises ``ValueError`` naming its turns; callers add which row it is.
+    """
     if _system_as_text(processor):
         messages = [_text_content(m) if m["role"] == "system" else m for m in messages]
-    return processor.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
+    try:
+        return processor.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except TemplateError as err:
+        roles = ", ".join(str(m.get("role")) for m in messages)
+        raise ValueError(f"the model's chat template refused its turns ({roles}): {err}") from err
 
 
 def adds_bos(processor) -> bool:

@@ -216,9 +216,17 @@ def _truncate_right(batch: dict, max_length: int, image_id: int) -> dict:
     return {k: (v[:, :max_length] if is_token_key(k, v, batch) else v) for k, v in batch.items()}
 
 
+def render_prompt(processor, messages: list[dict], images: Sequence[Image.Image]) -> str:
+    """A prompt's text with the generation prompt appended; a prompt the chat template refuses is named."""
+    try:
+        return render(processor, messages, add_generation_prompt=True)
+    except ValueError as err:
+        raise ValueError(f"prompt {row_summary({'prompt': messages, 'images': images})}: {err}") from err
+
+
 def encode_prompts(processor, prompts: list[list[dict]], images: Sequence[Sequence[Image.Image]]) -> dict:
     """Left-padded prompts with the generation prompt appended, ready for ``generate``."""
-    texts = [render(processor, messages, add_generation_prompt=True) for messages in prompts]
+    texts = [render_prompt(processor, messages, imgs) for messages, imgs in zip(prompts, images, strict=True)]
     return process(processor, texts, images, padding_side="left")
 
 

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from jinja2 import TemplateError
 
 from lightning_vlm.models.model_source import check_model_source
 from lightning_vlm.rewards.builtin import completion_text, content_text
@@ -114,7 +115,14 @@ class RewardModel:
             reply = [_text_only(m) for m in completion]
         messages = [_text_only(m) for m in prompt] + reply
         # The template already wrote the special tokens; adding them again would double the BOS.
-        return self.tokenizer.apply_chat_template(messages, tokenize=False), False
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False), False
+        except TemplateError as err:  # e.g. Gemma 2 reward models' templates refuse a system turn
+            roles = ", ".join(str(m.get("role")) for m in messages)
+            raise ValueError(
+                f"RewardModel {self.model_name_or_path}: its chat template refused a sample's turns ({roles}): "
+                f"{err}"
+            ) from err
 
     def tokenize(self, prompts: Sequence[Any], completions: Sequence[Any]) -> list[list[int]]:
         """Token ids of every prompt + completion, left-truncated to ``max_length``."""
