@@ -162,5 +162,7 @@ def test_reward_model_names_turns_its_template_refuses(reward_model_dirs):
     rm.tokenizer.chat_template = refuse + rm.tokenizer.chat_template
     prompts, completions = _rm_batch()
     assert len(rm.tokenize(prompts[:2], completions[:2])) == 2
-    with pytest.raises(ValueError, match=r"RewardModel .*right.*\(system, user, assistant\).*System role not"):
+    with pytest.raises(
+        ValueError, match=r"RewardModel .*right.*\(system, user, assistant\).*System role not"
+    ):
         rm.tokenize(prompts, completions)
