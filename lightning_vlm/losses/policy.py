@@ -173,8 +173,10 @@ def aggregate(
     num_seqs = per_token.shape[0] if num_sequences_in_batch is None else num_sequences_in_batch
     if loss_type == "luspo":
         # LUSPO (arXiv 2602.05261): each sequence's loss times its length, Σ_i Σ_t l·m / N, which undoes
-        # GSPO's length normalisation. TRL (2026-07) computes (l · |y_i|).mean() over B×T instead, which
-        # weighs each token's KL by |y_i|/T: the same with beta = 0, deliberately not followed with a KL.
+        # GSPO's length normalisation. TRL (2026-07) computes (l · |y_i|).mean() over B×T instead: the same
+        # when l is constant over a sequence (sequence level, beta = 0, no per-token weights), deliberately
+        # not followed otherwise. With a KL, token-level ratios, an entropy mask or per-token IS weights,
+        # TRL's value weighs each token by |y_i|/T, padding cells included; the paper's Σ|y_i|·l_i/N is kept.
         return (per_token * m).sum() / divisor(num_seqs, per_token)
     loss_type = AGGREGATION.get(loss_type, loss_type)
     masked = per_token * m
