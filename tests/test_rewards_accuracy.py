@@ -89,3 +89,14 @@ def test_integers_are_compared_exactly():
         and answers_match("0.30000000000000004", "0.3")
     )
     assert answers_match("2^60", "1152921504606846976")  # a power's value is exact
+
+
+def test_decimals_are_equal_only_up_to_float_rounding():
+    # The tolerance was 1e-6 absolute below 1: 1e-7 equalled 9e-7 (and 0 equalled 5e-7), and 999999.5
+    # equalled 1000000.
+    for answer, solution in (
+        ("0.0000001", "0.0000009"), ("5e-7", "1e-7"), ("0", "0.0000005"), ("999999.5", "1000000"),
+        ("1234567.5", "1234568"),
+    ):  # fmt: skip
+        assert not answers_match(answer, solution), (answer, solution)
+    assert answers_match("1.0000000000000002e-7", "1e-7") and answers_match("0.1", "0.10000000000000001")

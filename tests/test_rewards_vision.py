@@ -273,6 +273,12 @@ def test_numeric_reward_tolerance_edges():
         (r"\boxed{C}", "C"),
         ("nothing", None),
         ("Z", None),
+        ("'B'", "B"),  # straight quotes, as models write them; curly ones already counted
+        ("The answer is 'B'.", "B"),
+        ("Answer: 'b'", "B"),
+        ('The answer is "B".', "B"),
+        ("‘B’", "B"),
+        ("I'm sure it's 'C', not 'D'", None),
     ],
 )
 def test_parse_choice(text, letter):

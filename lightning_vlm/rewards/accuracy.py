@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import string
 import unicodedata
@@ -127,7 +128,8 @@ def answers_match(completion: str, solution: Any) -> bool:
     """True when the completion's answer equals the solution (numbers by value, letters as choices).
 
     A list of strings is a list of accepted answers (VQA's "answers" column): any one matches. Any other
-    solution is compared as its text.
+    solution is compared as its text: a list of numbers is a box here (``[0.1, 0.2, 0.5, 0.6]``), whose
+    "0.5" must not match; count_reward and numeric_reward, which never take boxes, read it as answers.
     """
     if is_answer_list(solution):  # an empty list matches nothing
         return any(answers_match(completion, s) for s in solution)
@@ -141,7 +143,9 @@ def answers_match(completion: str, solution: Any) -> bool:
     if a_num is not None and s_num is not None:
         if a_num.is_integer() and s_num.is_integer():  # counts, years, prices: 1000001 is not 1000000
             return a_num == s_num
-        return abs(a_num - s_num) <= 1e-6 * max(1.0, abs(s_num))  # decimals: float rounding only
+        # Decimals: equal up to float rounding only, relative at every scale (1e-7 is not 9e-7); a
+        # tolerance is numeric_reward's.
+        return math.isclose(a_num, s_num, rel_tol=1e-9)
     a_choice, s_choice = _CHOICE.match(answer), _CHOICE.match(solution)
     if a_choice and s_choice:
         return a_choice.group(1).upper() == s_choice.group(1).upper()
