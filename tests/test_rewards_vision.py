@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -148,6 +149,12 @@ def test_box_reward_errors():
         iou_reward(["[1, 2, 3, 4]"], ["[10, 20, 30, 40]"], coordinates="normalized")
     with pytest.raises(ValueError, match="unknown coordinates 'percent'"):
         iou_reward([], [], coordinates="percent")
+    # Several boxes in one solution are no one reference, as JSON text as well as JSON data (the text's
+    # first box was taken, silently).
+    two = '[{"bbox_2d": [1, 2, 3, 4]}, {"bbox_2d": [5, 6, 7, 8]}]'
+    for reference in (two, json.loads(two), "[1, 2, 3, 4] or [5, 6, 7, 8]"):
+        with pytest.raises(ValueError, match=r"row 0: the solution .* holds 2 boxes"):
+            iou_reward(["[1, 2, 3, 4]"], [reference])
 
 
 def test_box_rewards_take_conversational_completions():

@@ -134,10 +134,11 @@ def _beyond(box: Box, coordinates: str) -> bool:
     return limit is not None and (box[2] < 0 or box[3] < 0 or box[0] > limit or box[1] > limit)
 
 
-def _structured_box(reference: Any, box_format: str) -> Box | None:
-    """The one box of a solution stored as JSON data (``{"bbox_2d": [...]}``, ``[[x1, y1, x2, y2]]``, as
-    Qwen's grounding data holds it); several boxes are no one reference, and raise."""
-    found = list(_BOX.finditer(json.dumps(reference, default=str)))
+def _only_box(text: str, reference: Any, box_format: str) -> Box | None:
+    """The one box of a solution's text (JSON data written out as text too: ``{"bbox_2d": [...]}``,
+    ``[[x1, y1, x2, y2]]``, as Qwen's grounding data holds it); several boxes are no one reference, and
+    raise (a completion's first box is its answer, a solution's first of two is a guess)."""
+    found = list(_BOX.finditer(text))
     if len(found) > 1:
         raise ValueError(f"the solution {reference!r} holds {len(found)} boxes; a box reward scores one")
     values = [float(g) for g in found[0].groups() if g is not None] if found else []
@@ -146,11 +147,11 @@ def _structured_box(reference: Any, box_format: str) -> Box | None:
 
 def _solution_box(reference: Any, box_format: str, coordinates: str) -> Box:
     if isinstance(reference, str):
-        box = parse_box(reference, box_format)
+        box = _only_box(extract_answer(reference), reference, box_format)
     elif isinstance(reference, Mapping) or (
         isinstance(reference, list | tuple) and any(isinstance(v, Mapping | list | tuple) for v in reference)
     ):
-        box = _structured_box(reference, box_format)
+        box = _only_box(json.dumps(reference, default=str), reference, box_format)
     else:
         # A list, tuple or array of four numbers (a bbox column) is taken as the box itself.
         try:
