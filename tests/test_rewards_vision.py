@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import pytest
 
@@ -324,6 +325,21 @@ def test_levenshtein_hand_values():
     assert levenshtein("", "abc") == 3 and levenshtein("abc", "") == 3
     assert levenshtein("flaw", "lawn") == 2
     assert levenshtein("same", "same") == 0
+
+
+def test_levenshtein_equals_the_textbook_programme():
+    def textbook(a: str, b: str) -> int:
+        d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+        for i in range(1, len(a) + 1):
+            for j in range(1, len(b) + 1):
+                d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+        return d[-1][-1]
+
+    rng = random.Random(0)
+    for _ in range(300):
+        a, b = ("".join(rng.choices("ab\u00e9\U0001f600 ", k=rng.randint(0, 25))) for _ in range(2))
+        assert levenshtein(a, b) == textbook(a, b), (a, b)
+    assert levenshtein("a" * 3000, "b" * 2000) == 3000
 
 
 def test_ocr_similarity_and_reward():
