@@ -19,6 +19,7 @@ import argparse
 import atexit
 import ipaddress
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -110,6 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(rest)
     if args.model_tag:
         args.model = args.model_tag
+    _merge_adapter_folder(args)
     if not torch.cuda.is_available():
         args.dtype = cpu_dtype(args.dtype, args.model)  # as the colocated engine
     validate_parsed_serve_args(args)
@@ -128,6 +130,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 parser.error(f"{flag} must be > 0, got {value}")
             os.environ[env] = str(value)
     return args
+
+
+def _merge_adapter_folder(args: argparse.Namespace) -> None:
+    """Serve an adapter folder (``merge_lora=false`` export) as the merged export of its run, as the trainer
+    loads it: vLLM needs a full model on disk, so the base with the adapters merged in is written to a
+    temporary folder (removed at exit) and served under the name given (``--served-model-name`` kept)."""
+    from lightning_vlm.models.adapter_folder import adapter_chain
+
+    base, adapters = adapter_chain(args.model, revision=args.revision)
+    if not adapters:
+        return
+    from lightning_vlm.models.vlm import VLM
+
+    merged = tempfile.mkdtemp(prefix="lightning-vlm-merged-")
+    atexit.register(shutil.rmtree, merged, ignore_errors=True)
+    print(f"lightning_vlm.serve: {args.model} is a LoRA adapter on {base}; serving the merged model, written "
+          f"to {merged}", file=sys.stderr)  # fmt: skip
+    where = {"revision": args.revision} if args.revision else None
+    VLM(
+        args.model, dtype="auto", model_kwargs=where, trust_remote_code=args.trust_remote_code
+    ).save_pretrained(merged)
+    args.served_model_name = args.served_model_name or [args.model]
+    args.model, args.revision = merged, None
 
 
 def _rendering_template(args: argparse.Namespace) -> str | None:

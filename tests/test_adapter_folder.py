@@ -133,3 +133,17 @@ def test_an_unmerged_export_names_its_local_base_by_absolute_path(tiny_path, tmp
     vlm.save_pretrained(tmp_path / "adapter", merge_lora=False)
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(Path(tiny_path()).resolve())
+
+
+def test_the_server_launcher_serves_an_adapter_folder_merged(exports, monkeypatch):
+    # vLLM needs a full model on disk: `python -m lightning_vlm.serve <adapter folder>` failed in transformers
+    # with "Unrecognized model ... Should have a model_type key"
+    from lightning_vlm.serve import parse_args
+
+    for name in ("VLLM_PLUGINS", "VLLM_SERVER_DEV_MODE", "VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.delenv(name, raising=False)
+    root, policy = exports
+    args = parse_args([str(root / "adapter")])
+    assert Path(args.model, "config.json").is_file() and args.served_model_name == [str(root / "adapter")]
+    torch.testing.assert_close(_logits(VLM(args.model).eval()), policy, atol=1e-5, rtol=1e-5)
+    assert parse_args([str(root / "merged")]).model == str(root / "merged")  # a full model is served as it is
