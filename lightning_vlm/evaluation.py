@@ -17,6 +17,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_vlm.callbacks.run_identity import check_run_identity
 from lightning_vlm.ckpt_path import checkpoint_entries, checkpoint_to_load, restore_errors
 from lightning_vlm.data.sources import plain
 from lightning_vlm.loggers import ending_runs, start_runs
@@ -97,6 +98,7 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
             cfg.trainer, callbacks=callbacks, logger=loggers or False
         )
         ckpt_path = checkpoint_to_load(cfg.get("ckpt_path"), trainer)
+        check_run_identity(ckpt_path, module, cfg.model.model_name_or_path)
         if isinstance(module, DPO | KTO) and ckpt_path is None:
             # DPO's and KTO's reference is a copy of the model they were built from: scoring an HF folder
             # against itself gives every implicit reward 0 (preference accuracy 0.5 by construction).

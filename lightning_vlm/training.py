@@ -21,6 +21,7 @@ from lightning_vlm.callbacks.completions import LogCompletions
 from lightning_vlm.callbacks.export import publish_after_fit
 from lightning_vlm.callbacks.resume import BatchCountAfterResume, NextEpochAfterRestart
 from lightning_vlm.callbacks.rng_states import RngStates
+from lightning_vlm.callbacks.run_identity import RunIdentity, check_run_identity
 from lightning_vlm.callbacks.run_report import RunReport, finish_reports
 from lightning_vlm.callbacks.validated_step import ValidatedStep, validated_final_step
 from lightning_vlm.ckpt_path import checkpoint_to_load, last_checkpoint, restore_errors
@@ -79,11 +80,11 @@ def instantiate_loggers(cfg: DictConfig | None, wandb_id: str | None = None) -> 
 def resume_callbacks(loggers: list[Any]) -> list[L.Callback]:
     """Callbacks every run gets, whatever ``callbacks=`` says, so that its checkpoints resume it exactly:
     Lightning's epoch counters repaired after a restart on an epoch's last batch or with another global
-    batch, the random-number states, and the W&B run's id."""
+    batch, the random-number states, the method and reference that wrote them, and the W&B run's id."""
     from lightning.pytorch.loggers import WandbLogger
 
     wandb = any(isinstance(lg, WandbLogger) for lg in loggers)
-    return [NextEpochAfterRestart(), BatchCountAfterResume(), RngStates(), ValidatedStep(),
+    return [NextEpochAfterRestart(), BatchCountAfterResume(), RngStates(), ValidatedStep(), RunIdentity(),
             *([WandbRunId()] if wandb else [])]  # fmt: skip
 
 
@@ -179,6 +180,7 @@ def _fit(
     check_launch(trainer)
     # A local file or folder only (a URL would be unpickled with weights_only=False), loaded weights-only.
     ckpt_path = checkpoint_to_load(cfg.get("ckpt_path"), trainer, resuming=True)
+    check_run_identity(ckpt_path, module, cfg.model.model_name_or_path)
 
     for lg in trainer.loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))

@@ -146,6 +146,13 @@ def test_a_dpo_checkpoint_given_to_sft_names_ckpt_path(tmp_path):
     train(compose_train([*CHECKPOINTS_ONLY, *dpo], tmp_path / "dpo"))
     ckpt = tmp_path / "dpo" / "checkpoints" / "last.ckpt"
     err = _load_error(ckpt, tmp_path / "sft")
+    assert f"ckpt_path={str(ckpt)!r} was written by DPO, and this run's method is SFT" in str(err)
+    assert "method=" in str(err)
+    # A checkpoint without that record (written before it existed) is refused by its weights, as before.
+    state = torch.load(ckpt, weights_only=True)
+    del state["lightning_vlm/run_identity"]
+    torch.save(state, ckpt)
+    err = _load_error(ckpt, tmp_path / "sft_old")
     assert f"ckpt_path={str(ckpt)!r} does not fit this run's SFT module" in str(err)
     assert "Unexpected key(s)" in str(err) and "method=" in str(err)
 

@@ -108,6 +108,7 @@ class DPO(RootCalls, FactoryOptimized):
         if disable_dropout:
             turn_off_dropout(vlm)
         self.ref: ReferenceModel | None = ReferenceModel(vlm)
+        self.reference_fingerprint = self.ref.fingerprint  # kept when precomputing releases the copy
         self.generator = HFGenerator(vlm)
         self.bco_delta = RunningMean()  # BCO's δ: a buffer, so it is checkpointed
         self.step_window = StepWindow()

@@ -159,6 +159,7 @@ class KTO(FactoryOptimized):
         if disable_dropout:  # TRL's, on by default there too (methods.common.turn_off_dropout)
             turn_off_dropout(vlm)
         self.ref = ReferenceModel(vlm)
+        self.reference_fingerprint = self.ref.fingerprint  # checkpoints record it (callbacks/run_identity.py)
         self.generator = HFGenerator(vlm)
         self.val_metrics = torch.nn.ModuleDict({n.replace("/", "__"): MeanMetric() for n in METRICS})
         self.val_answer_accuracy = MeanMetric()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 
 import torch
 
@@ -28,6 +29,10 @@ class ReferenceModel:
         if not vlm.is_lora:
             self.copy = copy.deepcopy(vlm.hf_model).eval()
             self.copy.requires_grad_(False)
+        # Which weights the frozen copy holds, for checkpoints to record (callbacks/run_identity.py): a
+        # checkpoint holds the policy but not the copy, which a resume or an evaluation rebuilds from
+        # model.model_name_or_path. None with LoRA: the reference is the checkpoint's own base weights.
+        self.fingerprint = sampled_fingerprint(self.copy) if self.copy is not None else None
 
     @property
     def shares_weights(self) -> bool:
@@ -83,3 +88,17 @@ class ReferenceModel:
                 if match is not None and match.is_floating_point() and match.dtype != tensor.dtype:
                     tensor.data = tensor.data.to(match.dtype)
         return self
+
+
+def sampled_fingerprint(model: torch.nn.Module, values: int = 256) -> str:
+    """A digest of ``model``'s weights that tells two models apart cheaply: each tensor's name and shape, and its
+    first and last ``values`` values rounded to bfloat16 (a model and its bf16 cast are one reference).
+    Any training or LoRA merge changes them; it is no proof that every other value is equal."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(f"{name}{tuple(tensor.shape)}".encode())
+        if tensor.is_floating_point() and tensor.numel() and tensor.device.type != "meta":
+            flat = tensor.detach().reshape(-1)
+            ends = torch.cat([flat[:values], flat[-values:]]).to("cpu", torch.bfloat16).contiguous()
+            h.update(ends.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -1,0 +1,69 @@
+"""What a checkpoint was written by: the method's class and the reference model it trained against.
+
+Lightning restores any checkpoint whose weight names fit the module, so an SFT checkpoint resumed as
+GRPO continued silently with SFT's optimizer state and step. A frozen-copy reference (DPO, KTO, online
+methods with a KL) is not in the checkpoint: a resume or an evaluation rebuilds it from
+``model.model_name_or_path``, and another model there changed every reference log-prob without a sign.
+``RunIdentity`` records both in every checkpoint train.py writes; ``check_run_identity`` refuses a
+checkpoint whose record differs from the run about to load it (checkpoints without one load as before).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import lightning as L
+
+from lightning_vlm.ckpt_path import checkpoint_entries
+
+KEY = "lightning_vlm/run_identity"
+EXPORT_ADVICE = (
+    "to start another method from its weights, export them (callbacks=[default,export]) and pass "
+    "model.model_name_or_path=<that folder>"
+)
+
+
+@runtime_checkable
+class HasReference(Protocol):
+    """A method with a reference model: the digest of its frozen copy's weights (``ReferenceModel``), None
+    when the reference is the policy with its adapters off (LoRA: its weights are in the checkpoint)."""
+
+    reference_fingerprint: str | None
+
+
+def _identity(module: L.LightningModule) -> dict[str, Any]:
+    cls = type(module)
+    fingerprint = module.reference_fingerprint if isinstance(module, HasReference) else None
+    return {"method": f"{cls.__module__}.{cls.__qualname__}", "reference": fingerprint}
+
+
+class RunIdentity(L.Callback):
+    """Writes the method's class and its reference's fingerprint into every checkpoint (``KEY``)."""
+
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        checkpoint[KEY] = _identity(pl_module)
+
+
+def check_run_identity(ckpt_path: str | None, module: L.LightningModule, model_name_or_path: str) -> None:
+    """Refuses ``ckpt_path`` when another method wrote it, or when its reference model's weights are not the
+    ones this run built from ``model_name_or_path``, naming what to pass instead."""
+    recorded = (checkpoint_entries(ckpt_path) or {}).get(KEY)
+    if not isinstance(recorded, dict):
+        return
+    ours = _identity(module)
+    if recorded.get("method") != ours["method"]:
+        written = str(recorded.get("method")).rsplit(".", 1)[-1]
+        raise ValueError(
+            f"ckpt_path={ckpt_path!r} was written by {written}, and this run's method is "
+            f"{type(module).__name__}: a checkpoint resumes, or is scored by, the method that wrote it (its "
+            f"optimizer state and step come with it). Pass that run's method=, or {EXPORT_ADVICE}."
+        )
+    if recorded.get("reference") and ours["reference"] and recorded["reference"] != ours["reference"]:
+        raise ValueError(
+            f"ckpt_path={ckpt_path!r} was trained against a reference model with other weights than this "
+            f"run's, a frozen copy of model.model_name_or_path={model_name_or_path!r}: the reference "
+            "log-probs, and the rewards, KL and preference accuracy from them, would differ from training's. "
+            "Pass the training run's model.model_name_or_path (and tiny_start)."
+        )

@@ -1,0 +1,71 @@
+"""A checkpoint remembers which method wrote it and which reference model it trained against, so that a
+resume or an evaluation with other ones is refused instead of silently continuing (another method whose
+weight names match: SFT into GRPO) or scoring against another reference (DPO's frozen copy comes from
+``model.model_name_or_path``, which the checkpoint does not hold)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from helpers import compose_train
+from lightning_vlm.evaluation import evaluate
+from lightning_vlm.models.tiny import tiny_vlm_path
+from lightning_vlm.models.vlm import VLM
+from lightning_vlm.training import train
+
+RUN = [
+    "logger=none", "trainer.enable_progress_bar=false", "callbacks=model_checkpoint", "tiny_start=random",
+    "data.batch_size=2", "data.synthetic.num_train=8", "data.synthetic.num_val=4", "data.val_batch_size=4",
+    "trainer.limit_val_batches=0", "trainer.max_steps=1",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dpo_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("identity")
+    train(compose_train([*RUN, "method=dpo"], root / "dpo"))
+    return root, root / "dpo" / "checkpoints" / "last.ckpt"
+
+
+def test_another_methods_checkpoint_is_refused_even_when_its_weights_fit(dpo_ckpt, tmp_path):
+    root, _ = dpo_ckpt
+    train(compose_train([*RUN, "method=sft"], root / "sft"))
+    sft = root / "sft" / "checkpoints" / "last.ckpt"
+    # GRPO's weights are SFT's by name: Lightning restored it, SFT's optimizer and step included.
+    resume = [*RUN, "method=grpo", "trainer.max_steps=3", f"ckpt_path={sft}"]
+    with pytest.raises(ValueError, match=rf"ckpt_path='{sft}' was written by SFT, and this run's method is GRPO.*export"):
+        train(compose_train(resume, tmp_path / "grpo"))
+
+
+def test_a_reference_other_than_trainings_is_refused(dpo_ckpt, tmp_path):
+    root, ckpt = dpo_ckpt
+    tiny = str(tiny_vlm_path("qwen2_5_vl"))
+    other = tmp_path / "other_start"
+    vlm = VLM(tiny)
+    with torch.no_grad():
+        for p in vlm.model.parameters():
+            p.add_(0.01)
+    vlm.save_pretrained(other)
+    moved = tmp_path / "moved_start"
+    shutil.copytree(tiny, moved)
+    message = r"trained against a reference model with other weights .*model.model_name_or_path"
+    for run in ("train", "eval"):
+        overrides = [*RUN, "method=dpo", f"model.model_name_or_path={other}", f"ckpt_path={ckpt}"]
+        with pytest.raises(ValueError, match=message):
+            if run == "train":
+                train(compose_train([*overrides, "trainer.max_steps=2"], tmp_path / run))
+            else:
+                evaluate(compose_train([*overrides, "trainer.limit_val_batches=1"], tmp_path / run, "eval"))
+    # The same weights in another folder (a run moved to another machine) are the same reference.
+    same = [
+        *RUN,
+        "method=dpo",
+        f"model.model_name_or_path={moved}",
+        f"ckpt_path={ckpt}",
+        "trainer.max_steps=2",
+    ]
+    _, out = train(compose_train(same, tmp_path / "moved"))
+    assert out["trainer"].global_step == 2
