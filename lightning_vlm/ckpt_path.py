@@ -63,8 +63,17 @@ def _loadable(path: Path, given: str, trainer: L.Trainer) -> str:
     if path.is_dir():
         from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
+        found = "" if given == str(path) else f" found {str(path)!r}, which"
+        files = sorted(p.name for p in path.glob("*.ckpt") if p.is_file())
+        if files:  # a run's checkpoints folder
+            raise ValueError(f"ckpt_path={given!r}{found} is a folder that holds the checkpoints "
+                             f"{', '.join(files)}: pass one of them (last.ckpt resumes)")  # fmt: skip
+        if (path / "config.json").is_file() and not (path / "meta.pt").is_file():
+            raise ValueError(
+                f"ckpt_path={given!r}{found} is a Hugging Face model folder: pass it as "
+                f"model.model_name_or_path={given} (ckpt_path takes Lightning checkpoints)"
+            )
         if not isinstance(trainer.strategy, FSDPStrategy | DeepSpeedStrategy):
-            found = "" if given == str(path) else f" found {str(path)!r}, which"
             raise ValueError(
                 f"ckpt_path={given!r}{found} is a folder: a sharded (FSDP) or DeepSpeed checkpoint, which "
                 f"loads only through the strategy that wrote it (this trainer's is "

@@ -36,7 +36,9 @@ def test_another_methods_checkpoint_is_refused_even_when_its_weights_fit(dpo_ckp
     sft = root / "sft" / "checkpoints" / "last.ckpt"
     # GRPO's weights are SFT's by name: Lightning restored it, SFT's optimizer and step included.
     resume = [*RUN, "method=grpo", "trainer.max_steps=3", f"ckpt_path={sft}"]
-    with pytest.raises(ValueError, match=rf"ckpt_path='{sft}' was written by SFT, and this run's method is GRPO.*export"):
+    with pytest.raises(
+        ValueError, match=rf"ckpt_path='{sft}' was written by SFT, and this run's method is GRPO.*export"
+    ):
         train(compose_train(resume, tmp_path / "grpo"))
 
 

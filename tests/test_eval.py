@@ -189,6 +189,18 @@ def test_checkpoints_load_weights_only_locally(sft_run, tmp_path):
         ValueError, match=r"ckpt_path='last' found '.*last\.ckpt', which is a folder.*trainer=fsdp"
     ):
         checkpoint_to_load("last", trainer, resuming=True)
+    # A run's checkpoints folder, or an HF model folder, is no sharded checkpoint: said so, with what to pass.
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    for name in ("last.ckpt", "step_000003.ckpt"):
+        (tmp_path / "run" / "checkpoints" / name).touch()
+    with pytest.raises(ValueError, match=r"holds the checkpoints last\.ckpt, step_000003\.ckpt: pass one"):
+        checkpoint_to_load(str(tmp_path / "run" / "checkpoints"), trainer)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    with pytest.raises(
+        ValueError, match=r"a Hugging Face model folder: pass it as model\.model_name_or_path"
+    ):
+        checkpoint_to_load(str(tmp_path / "hf"), trainer)
 
 
 def test_each_eval_job_of_a_sweep_gets_its_own_wandb_run(sft_run, tmp_path, monkeypatch):
