@@ -160,6 +160,10 @@ ERRORS: dict[str, Case] = {  # a table, so kept as laid out
                        (f"{ROW} 'messages'", "message 1 has role 'gpt'", "'assistant'")),
     "llava_image_placeholder": (broken(lambda r: r["messages"][0]["content"].__setitem__(1, {"type": "text", "text": "<image>\nColor?"})),
                                 RowError, (f"{ROW} 'messages'", "holds the placeholder '<image>'")),
+    # A model's own image token, as an export formatted for it writes (the processor raised StopIteration,
+    # which Lightning took for the end of every epoch: a run hung, or skipped the rest of each epoch)
+    "qwen_image_token": (broken(lambda r: r["messages"][0]["content"].__setitem__(1, {"type": "text", "text": "<|vision_start|><|image_pad|><|vision_end|>Color?"})),
+                         RowError, (f"{ROW} 'messages'", "holds the placeholder '<|image_pad|>'")),
     "llava_placeholder_in_template": (lambda d: {"prompt_template": "<image>\n{question}", "answer_template": "{answer}"},
                                       ValueError, ("data.prompt_template holds '<image>'",)),
     "image_bytes_as_text": (broken(lambda r: r.update(images=[{"bytes": "iVBORw0KGgo="}])), RowError,

@@ -57,16 +57,25 @@ class _Row:
         raise RowError(self.source, self.index, column, reason, detail)
 
 
-# LLaVA-style data writes its images into the text; here a chat template places them (from image blocks),
-# so the processor counted each such image twice and failed at batch time, far from the row.
+# LLaVA-style data writes its images into the text, and data exported for one model writes that model's
+# image token (the processors' ``image_token`` of the registered families: Qwen's "<|image_pad|>", Gemma 3's
+# "<start_of_image>", Gemma 4's "<|image|>", InternVL's "<IMG_CONTEXT>"). Here a chat template places the
+# images (from image blocks), so the processor counted each such image twice and failed at batch time, far
+# from the row: with a StopIteration that Lightning took for the end of every epoch.
 IMAGE_PLACEHOLDER = "<image>"
+IMAGE_PLACEHOLDERS = (IMAGE_PLACEHOLDER, "<|image_pad|>", "<start_of_image>", "<|image|>", "<IMG_CONTEXT>")
+
+
+def image_placeholder_in(text: str) -> str | None:
+    """The first image placeholder ``text`` holds (see ``IMAGE_PLACEHOLDERS``), or None."""
+    return next((p for p in IMAGE_PLACEHOLDERS if p in text), None)
 
 
 def _text(text: str, at: _Row, column: str, where: str) -> dict:
-    if IMAGE_PLACEHOLDER in text:
+    if placeholder := image_placeholder_in(text):
         at.fail(
             column, "wrong_type",
-            f"{where} holds the placeholder {IMAGE_PLACEHOLDER!r}: remove it from the text, and give each image "
+            f"{where} holds the placeholder {placeholder!r}: remove it from the text, and give each image "
             "a {'type': 'image'} block where it goes (or leave plain-string content: images go first)",
         )  # fmt: skip
     return {"type": "text", "text": text}

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_vlm.data.images import WHITE, load_row, rgb_background
-from lightning_vlm.data.rows import IMAGE_PLACEHOLDER, SHAPES, RowError, normalize_row
+from lightning_vlm.data.rows import SHAPES, RowError, image_placeholder_in, normalize_row
 
 # The conversation column each shape's template fills, and the one the system turn goes in front of.
 CONVERSATION: dict[str, str] = {
@@ -129,9 +129,10 @@ class RowFormat:
         # Checked (and made a tuple: Hydra gives lists) now, not when the first image is decoded.
         object.__setattr__(self, "alpha_background", rgb_background(self.alpha_background))
         check_column_map(self.column_map)
-        if self.prompt_template is not None and IMAGE_PLACEHOLDER in self.prompt_template:
+        placeholder = image_placeholder_in(self.prompt_template or "")
+        if placeholder:
             raise ValueError(
-                f"data.prompt_template holds {IMAGE_PLACEHOLDER!r}: the chat template places the images (first in "
+                f"data.prompt_template holds {placeholder!r}: the chat template places the images (first in "
                 "the user turn); remove the placeholder"
             )
         # Checked at construction, so a bad setting fails before any row is read.
