@@ -270,6 +270,10 @@ def test_plain_strings_become_typed_blocks_with_images_first(folder):
     assert out["prompt"] == [{"role": "user", "content": [IMG, IMG, text("Q")]}]
     assert out["chosen"] == [{"role": "assistant", "content": [text("A")]}]
     assert out["images"] == [str(folder / p) for p in two]  # relative to the data folder
+    # file:// URIs are local paths (they were joined onto the data folder: "<folder>/file:/...", not found)
+    uri = (folder / "img" / "red.png").as_uri()
+    out = normalize_row({"prompt": "Q", "completion": "A", "image": uri}, "sft", base_dir=folder / "elsewhere")
+    assert out["images"] == [str(folder / "img" / "red.png")]
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
     out = normalize_row({"messages": chat, "image": "img/red.png"}, "sft", base_dir=folder)
     assert [m["content"] for m in out["messages"]] == [[IMG, text("Hi")], [text("Yo")]]

@@ -19,6 +19,8 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 from PIL import Image
 
@@ -187,6 +189,9 @@ def _image_ref(value: Any, at: _Row, column: str, base_dir: Path | None, check_f
             f"image URLs and data URIs are not read ({value[:60]!r}): download the images and give their "
             "paths, or load the dataset with datasets' Image feature",
         )  # fmt: skip
+    if isinstance(value, str) and value.lstrip().lower().startswith("file://"):
+        # A local file as a URI (pathlib's as_uri): its path, not a name relative to the data folder.
+        value = url2pathname(urlparse(value.strip()).path)
     if isinstance(value, str | os.PathLike):
         path = _resolve(value, base_dir)
         if check_files and not os.path.isfile(path):
