@@ -223,3 +223,18 @@ def test_a_max_length_that_cuts_a_whole_answer_says_so(vlms, caplog):
     with caplog.at_level(logging.WARNING, logger="lightning_vlm.models.encoding"):
         vlm.encode_sft(rows, max_length=max(first_labels) + 1)  # an answer token left in each: no warning
     assert not caplog.records
+
+
+def test_a_turn_with_loss_false_is_not_trained_on(vlms):
+    # ms-swift's per-turn flag: "loss": false was kept as an unknown key and the turn trained on
+    vlm = vlms("qwen2_5_vl")
+    skipped = {**_assistant("IGNOREME"), "loss": False}
+    messages = [_user("Hello"), skipped, _user("What colour?"), {**_assistant("red"), "loss": True}]
+    row = normalize_row({"messages": messages}, "sft")
+    assert labelled(vlm, row) == ["red<|im_end|>"]
+    from lightning_vlm.data.rows import RowError
+
+    with pytest.raises(RowError, match=r"message 1 has 'loss': 'no'; expected true or false"):
+        normalize_row({"messages": [_user("Hi"), {**_assistant("Yo"), "loss": "no"}]}, "sft")
+    with pytest.raises(RowError, match=r"no_answer"):
+        normalize_row({"messages": [_user("Hi"), skipped]}, "sft")

@@ -109,6 +109,8 @@ def _block(block: Any, at: _Row, column: str, where: str) -> dict:
 
 
 ROLES = ("system", "user", "assistant", "tool")
+# ms-swift's per-message flag: an assistant turn with "loss": false is context, not trained on.
+LOSS = "loss"
 
 
 def _conversation(value: Any, at: _Row, column: str) -> tuple[list[dict], list[bool]]:
@@ -137,6 +139,9 @@ def _conversation(value: Any, at: _Row, column: str) -> tuple[list[dict], list[b
             at.fail(column, "wrong_type", f"message {i} content must be a string or a list of blocks")
         # Stored datasets fill missing keys with None (Arrow unifies the struct); those are not data.
         extra = {k: v for k, v in message.items() if v is not None and k not in ("role", "content")}
+        if not isinstance(extra.get(LOSS, True), bool):
+            at.fail(column, "wrong_type", f"message {i} has {LOSS!r}: {extra[LOSS]!r}; expected true or false "
+                    "(ms-swift's per-turn flag: false leaves the turn untrained)")  # fmt: skip
         messages.append({"role": message["role"], "content": blocks, **extra})
     return messages, plain
 
@@ -251,11 +256,15 @@ def _check_answer(at: _Row, column: str, messages: list[dict]) -> None:
     # SFT trains on assistant tokens only: without an assistant turn (or with only empty ones) the
     # row would add nothing but padding to its batch, silently.
     answers = [
-        b["text"] for m in messages if m["role"] == "assistant" for b in m["content"] if b["type"] == "text"
+        b["text"]
+        for m in messages
+        if m["role"] == "assistant" and m.get(LOSS) is not False
+        for b in m["content"]
+        if b["type"] == "text"
     ]
     if not any(a.strip() for a in answers):
         roles = [m["role"] for m in messages]
-        what = "an empty assistant turn" if answers else "no assistant turn"
+        what = "an empty assistant turn" if answers else "no assistant turn trained on"
         at.fail(column, "no_answer", f"SFT row with {what} (roles: {roles}): it has nothing to train on")
 
 

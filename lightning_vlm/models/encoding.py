@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from PIL import Image
 
-from lightning_vlm.data.rows import COMPLETION_MESSAGES
+from lightning_vlm.data.rows import COMPLETION_MESSAGES, LOSS
 
 from .chat_render import adds_bos, answer_header, render, warn_unclosed
 from .family_rules import image_token_id
@@ -46,7 +46,7 @@ def assistant_char_spans(
     header, prefill = answer_header(processor)
     spans = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant" or i < trained_from:
+        if message["role"] != "assistant" or i < trained_from or message.get(LOSS) is False:
             continue
         upto = render(processor, messages[: i + 1])
         if i == 0:
