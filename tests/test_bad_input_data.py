@@ -158,14 +158,15 @@ ERRORS: dict[str, Case] = {  # a table, so kept as laid out
     # trained on), an image's bytes as base64 text (read as a path: "file not found")
     "sharegpt_roles": (broken(lambda r: r["messages"][1].update(role="gpt")), RowError,
                        (f"{ROW} 'messages'", "message 1 has role 'gpt'", "'assistant'")),
-    "llava_image_placeholder": (broken(lambda r: r["messages"][0]["content"].__setitem__(1, {"type": "text", "text": "<image>\nColor?"})),
-                                RowError, (f"{ROW} 'messages'", "holds the placeholder '<image>'")),
     # A model's own image token, as an export formatted for it writes (the processor raised StopIteration,
     # which Lightning took for the end of every epoch: a run hung, or skipped the rest of each epoch)
     "qwen_image_token": (broken(lambda r: r["messages"][0]["content"].__setitem__(1, {"type": "text", "text": "<|vision_start|><|image_pad|><|vision_end|>Color?"})),
-                         RowError, (f"{ROW} 'messages'", "holds the placeholder '<|image_pad|>'")),
-    "llava_placeholder_in_template": (lambda d: {"prompt_template": "<image>\n{question}", "answer_template": "{answer}"},
-                                      ValueError, ("data.prompt_template holds '<image>'",)),
+                         RowError, (f"{ROW} 'messages'", "holds the model image token '<|image_pad|>'", "'<image>'")),
+    "model_token_in_template": (lambda d: {"prompt_template": "<|image_pad|>{question}", "answer_template": "{answer}"},
+                                ValueError, ("data.prompt_template holds the model image token '<|image_pad|>'",)),
+    # "<image>" (ms-swift, LLaVA) places an image: one more than the row has is counted
+    "extra_image_placeholder": (broken(lambda r: r["messages"][0]["content"].__setitem__(1, {"type": "text", "text": "<image>Color?"})),
+                                RowError, (f"{ROW} 'messages'", "block(s) in the messages but 1 image(s)")),
     "image_bytes_as_text": (broken(lambda r: r.update(images=[{"bytes": "iVBORw0KGgo="}])), RowError,
                             (f"{ROW} 'images'", "'bytes' must be the encoded file's bytes", "base64")),
     # A bad setting.

@@ -272,7 +272,9 @@ def test_plain_strings_become_typed_blocks_with_images_first(folder):
     assert out["images"] == [str(folder / p) for p in two]  # relative to the data folder
     # file:// URIs are local paths (they were joined onto the data folder: "<folder>/file:/...", not found)
     uri = (folder / "img" / "red.png").as_uri()
-    out = normalize_row({"prompt": "Q", "completion": "A", "image": uri}, "sft", base_dir=folder / "elsewhere")
+    out = normalize_row(
+        {"prompt": "Q", "completion": "A", "image": uri}, "sft", base_dir=folder / "elsewhere"
+    )
     assert out["images"] == [str(folder / "img" / "red.png")]
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
     out = normalize_row({"messages": chat, "image": "img/red.png"}, "sft", base_dir=folder)
@@ -398,3 +400,40 @@ def test_hydra_instantiate_with_dictconfig():
     )
     dm.setup()
     assert len(next(iter(dm.train_dataloader()))) == 2 and dm.hparams.batch_size == 2
+
+
+def test_image_placeholders_in_text_become_image_blocks_where_written(folder):
+    # ms-swift's and LLaVA's "<image>" (refused before: data in those formats needed a conversion script)
+    swift = {"messages": [{"role": "user", "content": "<image>What is it?<image>And this?"},
+                          {"role": "assistant", "content": "Two shapes."}],
+             "images": ["img/red.png", "img/blue.png"]}  # fmt: skip
+    out = normalize_row(swift, "sft", base_dir=folder)
+    assert out["messages"][0]["content"] == [IMG, text("What is it?"), IMG, text("And this?")]
+    llava = {"prompt": "<image>\nColour?", "completion": "red", "images": ["img/red.png"]}
+    assert normalize_row(llava, "sft", base_dir=folder)["messages"][0]["content"] == [IMG, text("\nColour?")]
+    typed = [{"type": "text", "text": "Compare <image> with"}, {"type": "image"}]
+    out = normalize_row({"prompt": [{"role": "user", "content": typed}], "images": ["img/red.png"] * 2}, "prompt",
+                        base_dir=folder)  # fmt: skip
+    assert out["prompt"][0]["content"] == [text("Compare "), IMG, text(" with"), IMG]
+    # ms-swift's GRPO rows hold the prompt as `messages` ("missing required column 'prompt'" before)
+    grpo = {
+        "messages": [{"role": "user", "content": "<image>Colour?"}],
+        "solution": "red",
+        "images": ["img/red.png"],
+    }
+    out = normalize_row(grpo, "prompt", base_dir=folder)
+    assert out["prompt"] == [{"role": "user", "content": [IMG, text("Colour?")]}] and "messages" not in out
+    assert out["solution"] == "red"
+    # LLaVA-Instruct's ShareGPT rows ("message 0 has no string 'role'" before)
+    llava = {"id": "000001", "image": "img/red.png", "conversations": [
+        {"from": "human", "value": "<image>\nWhat colour?"}, {"from": "gpt", "value": "Red."}]}  # fmt: skip
+    out = normalize_row(llava, "sft", base_dir=folder)
+    assert out["messages"] == [{"role": "user", "content": [IMG, text("\nWhat colour?")]},
+                               {"role": "assistant", "content": [text("Red.")]}]  # fmt: skip
+    assert out["images"] == [str(folder / "img" / "red.png")] and out["id"] == "000001"
+    with pytest.raises(RowError, match=r"message 1 has role 'bing'"):
+        normalize_row(
+            {**llava, "conversations": [llava["conversations"][0], {"from": "bing", "value": "x"}]},
+            "sft",
+            base_dir=folder,
+        )

@@ -24,6 +24,9 @@ from urllib.request import url2pathname
 
 from PIL import Image
 
+from lightning_vlm.data.placeholders import text_blocks
+from lightning_vlm.data.sharegpt import CONVERSATIONS, from_sharegpt
+
 SHAPES: tuple[str, ...] = ("sft", "preference", "prompt", "unpaired")
 REASONS: tuple[str, ...] = (
     "missing_column",
@@ -59,31 +62,14 @@ class _Row:
         raise RowError(self.source, self.index, column, reason, detail)
 
 
-# LLaVA-style data writes its images into the text, and data exported for one model writes that model's
-# image token (the processors' ``image_token`` of the registered families: Qwen's "<|image_pad|>", Gemma 3's
-# "<start_of_image>", Gemma 4's "<|image|>", InternVL's "<IMG_CONTEXT>"). Here a chat template places the
-# images (from image blocks), so the processor counted each such image twice and failed at batch time, far
-# from the row: with a StopIteration that Lightning took for the end of every epoch.
-IMAGE_PLACEHOLDER = "<image>"
-IMAGE_PLACEHOLDERS = (IMAGE_PLACEHOLDER, "<|image_pad|>", "<start_of_image>", "<|image|>", "<IMG_CONTEXT>")
+def _text(text: str, at: _Row, column: str, where: str) -> list[dict]:
+    try:
+        return text_blocks(text)
+    except ValueError as err:
+        at.fail(column, "wrong_type", f"{where} {err}")
 
 
-def image_placeholder_in(text: str) -> str | None:
-    """The first image placeholder ``text`` holds (see ``IMAGE_PLACEHOLDERS``), or None."""
-    return next((p for p in IMAGE_PLACEHOLDERS if p in text), None)
-
-
-def _text(text: str, at: _Row, column: str, where: str) -> dict:
-    if placeholder := image_placeholder_in(text):
-        at.fail(
-            column, "wrong_type",
-            f"{where} holds the placeholder {placeholder!r}: remove it from the text, and give each image "
-            "a {'type': 'image'} block where it goes (or leave plain-string content: images go first)",
-        )  # fmt: skip
-    return {"type": "text", "text": text}
-
-
-def _block(block: Any, at: _Row, column: str, where: str) -> dict:
+def _block(block: Any, at: _Row, column: str, where: str) -> list[dict]:
     if not isinstance(block, Mapping):
         at.fail(
             column,
@@ -94,7 +80,7 @@ def _block(block: Any, at: _Row, column: str, where: str) -> dict:
     if kind == "text":
         if not isinstance(block.get("text"), str):
             at.fail(column, "wrong_type", f"{where} is a text block without a string 'text'")
-        return _text(block["text"], at, column, where)
+        return _text(block["text"], at, column, where)  # "<image>" in it: an image block there
     if kind == "image":
         embedded = [k for k in _EMBEDDED_IMAGE_KEYS if block.get(k) is not None]
         if embedded:
@@ -104,7 +90,7 @@ def _block(block: Any, at: _Row, column: str, where: str) -> dict:
                 f"{where} carries its own image ({embedded[0]!r}); put images in the 'images' column "
                 "and leave a bare {'type': 'image'} block where each goes",
             )
-        return {"type": "image"}
+        return [{"type": "image"}]
     at.fail(column, "wrong_type", f"{where} has type {kind!r}; expected 'text' or 'image'")
 
 
@@ -121,6 +107,7 @@ def _conversation(value: Any, at: _Row, column: str) -> tuple[list[dict], list[b
     for i, message in enumerate(value):
         if not isinstance(message, Mapping):
             at.fail(column, "wrong_type", f"message {i} must be a dict with 'role' and 'content'")
+        message = from_sharegpt(message)  # LLaVA's {"from": "human", "value": ...}
         if not isinstance(message.get("role"), str):
             at.fail(column, "wrong_type", f"message {i} has no string 'role'")
         if message["role"] not in ROLES:
@@ -132,9 +119,11 @@ def _conversation(value: Any, at: _Row, column: str) -> tuple[list[dict], list[b
         content = message.get("content")
         plain.append(isinstance(content, str))
         if isinstance(content, str):
-            blocks = [_text(content, at, column, f"message {i}")]
+            blocks = _text(content, at, column, f"message {i}")
         elif isinstance(content, Sequence):
-            blocks = [_block(b, at, column, f"message {i}, block {j}") for j, b in enumerate(content)]
+            blocks = [
+                x for j, b in enumerate(content) for x in _block(b, at, column, f"message {i}, block {j}")
+            ]
         else:
             at.fail(column, "wrong_type", f"message {i} content must be a string or a list of blocks")
         # Stored datasets fill missing keys with None (Arrow unifies the struct); those are not data.
@@ -148,7 +137,7 @@ def _conversation(value: Any, at: _Row, column: str) -> tuple[list[dict], list[b
 
 def _text_or_conversation(value: Any, at: _Row, column: str, role: str) -> tuple[list[dict], list[bool]]:
     if isinstance(value, str):
-        return [{"role": role, "content": [_text(value, at, column, "the text")]}], [True]
+        return [{"role": role, "content": _text(value, at, column, "the text")}], [True]
     return _conversation(value, at, column)
 
 
@@ -307,8 +296,10 @@ def normalize_row(
             # Counted from the end: a system turn put in front later (RowFormat) moves nothing.
             out[COMPLETION_MESSAGES], trained = len(completion), completion
         else:
-            messages, plain = _conversation(_require(row, at, "messages"), at, "messages")
-            used, trained = ("messages",), messages
+            # LLaVA's instruction data (ShareGPT) names them `conversations`.
+            column = CONVERSATIONS if row.get("messages") is None and row.get(CONVERSATIONS) else "messages"
+            messages, plain = _conversation(_require(row, at, column), at, column)
+            used, trained = (column,), messages
         _place_images(messages, plain, len(images))
         _check_count(at, used[0], _count_images(messages), len(images))
         _check_answer(at, used[-1], trained)
@@ -357,10 +348,12 @@ def normalize_row(
         out.update(prompt=prompt, completion=completion)
         used = ("prompt", "completion", "label")
     else:
-        prompt, plain = _text_or_conversation(_require(row, at, "prompt"), at, "prompt", "user")
+        # ms-swift's GRPO rows hold the prompt as `messages`.
+        column = "messages" if row.get("prompt") is None and row.get("messages") is not None else "prompt"
+        prompt, plain = _text_or_conversation(_require(row, at, column), at, column, "user")
         _place_images(prompt, plain, len(images))
-        _check_count(at, "prompt", _count_images(prompt), len(images))
+        _check_count(at, column, _count_images(prompt), len(images))
         out["prompt"] = prompt
-        used = ("prompt",)
+        used = (column,)
     passthrough = {k: v for k, v in row.items() if k not in (*used, "image", "images")}
     return {**passthrough, **out, "images": images}

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_vlm.data.images import WHITE, load_row, rgb_background
-from lightning_vlm.data.rows import SHAPES, RowError, image_placeholder_in, normalize_row
+from lightning_vlm.data.placeholders import model_image_token_in
+from lightning_vlm.data.rows import SHAPES, RowError, normalize_row
 
 # The conversation column each shape's template fills, and the one the system turn goes in front of.
 CONVERSATION: dict[str, str] = {
@@ -129,11 +130,12 @@ class RowFormat:
         # Checked (and made a tuple: Hydra gives lists) now, not when the first image is decoded.
         object.__setattr__(self, "alpha_background", rgb_background(self.alpha_background))
         check_column_map(self.column_map)
-        placeholder = image_placeholder_in(self.prompt_template or "")
-        if placeholder:
+        # "<image>" places an image (placeholders.py); a model's own image token is refused.
+        token = model_image_token_in(self.prompt_template or "")
+        if token:
             raise ValueError(
-                f"data.prompt_template holds {placeholder!r}: the chat template places the images (first in "
-                "the user turn); remove the placeholder"
+                f"data.prompt_template holds the model image token {token!r}: write '<image>' where the image "
+                "goes, or nothing (images go first in the user turn)"
             )
         # Checked at construction, so a bad setting fails before any row is read.
         self._columns("prompt_template"), self._columns("answer_template")
