@@ -123,6 +123,18 @@ def test_every_tiny_chat_template_takes_a_system_turn(family, tiny_path):
     assert SYSTEM in rendered and rendered.index(SYSTEM) < rendered.index("What is 2 + 2?")
 
 
+def test_an_image_placeholder_in_a_template_places_the_image():
+    # LLaVA-style "<image>\n{question}" was refused; the image now goes where the template writes it
+    fmt = RowFormat("prompt", prompt_template="Look: <image>\n{problem}")
+    row = fmt.normalize({"problem": "What is 2 + 2?", "image": Image.new("RGB", (8, 8))}, 0, "data", None)
+    blocks = row["prompt"][-1]["content"]
+    assert blocks == [
+        {"type": "text", "text": "Look: "},
+        {"type": "image"},
+        {"type": "text", "text": "\nWhat is 2 + 2?"},
+    ]
+
+
 def test_template_naming_a_missing_column_names_file_row_and_column(tmp_path):
     rows = [{"problem": "1?", "solution": "1"}, {"question": "2?", "solution": "2"}]
     path = write_jsonl(tmp_path / "data.jsonl", rows)
