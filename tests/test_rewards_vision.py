@@ -140,6 +140,11 @@ def test_box_rewards_in_normalized_and_pixel_coordinates_agree():
 def test_box_reward_errors():
     with pytest.raises(ValueError, match=r"iou_reward needs a `solution` column.*\['prompts'\]"):
         iou_reward(["[1, 2, 3, 4]"], prompts=["p"])
+    # the trainer's own columns are not listed, and the setting that maps a column is named
+    with pytest.raises(
+        ValueError, match=r"were \['answer', 'prompts'\]\. .*data\.column_map=\{<column>: solution\}"
+    ):
+        iou_reward(["[1, 2, 3, 4]"], prompts=["p"], answer=["x"], completion_ids=[[1]], trainer_state=None)
     with pytest.raises(ValueError, match=r"giou_reward: row 1: cannot read a box from the solution 'left'"):
         giou_reward(["[1, 2, 3, 4]"] * 2, ["[1, 2, 3, 4]", "left"])
     with pytest.raises(ValueError, match=r"iou_reward: row 0: cannot read a box.*\[1, 2\]"):

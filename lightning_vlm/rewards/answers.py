@@ -10,7 +10,7 @@ cannot be read raises ``ValueError`` naming its row; a completion that cannot be
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from lightning_vlm.rewards.accuracy import (
@@ -47,6 +47,21 @@ _COUNT = re.compile(
 )
 
 
+# What the trainer passes besides the data's columns (online_sampling.score).
+TRAINER_COLUMNS = ("completion_ids", "trainer_state", "generation_prompt")
+
+
+def missing_solution(name: str, columns: Mapping[str, Any]) -> ValueError:
+    """The error for a reward run without a ``solution`` column: a configuration mistake (the data names its
+    references otherwise: ``answer``, ``ground_truth``), not rows without references, so every score would
+    be None. Names the data's columns and the setting that maps one."""
+    data = sorted(k for k in columns if k not in TRAINER_COLUMNS)
+    return ValueError(
+        f"{name} needs a `solution` column (one reference per completion); the columns given were {data}. "
+        "If the data names its references otherwise, map that column: data.column_map={<column>: solution}"
+    )
+
+
 def score_with_reference(
     name: str,
     completions: Sequence[Completion],
@@ -70,11 +85,7 @@ def score_with_reference(
     from lightning_vlm.rewards.builtin import _missing, completion_text
 
     if solution is None:
-        # A missing column is a configuration mistake, not rows without references.
-        raise ValueError(
-            f"{name} needs a `solution` column (one reference per completion); "
-            f"the columns given were {sorted(columns)}"
-        )
+        raise missing_solution(name, columns)
     rewards: list[float | None] = []
     for row, (completion, reference) in enumerate(zip(completions, solution, strict=True)):
         accepted = (

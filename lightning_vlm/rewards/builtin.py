@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_vlm.rewards.accuracy import answers_match
-from lightning_vlm.rewards.answers import count_reward, numeric_reward
+from lightning_vlm.rewards.answers import count_reward, missing_solution, numeric_reward
 from lightning_vlm.rewards.boxes import giou_reward, iou_reward
 from lightning_vlm.rewards.choices import multiple_choice_reward
 from lightning_vlm.rewards.ocr import ocr_reward
@@ -83,10 +83,7 @@ def accuracy_reward(
     if solution is None:
         # A missing column is a configuration mistake (wrong dataset or column name), not a row
         # without a reference: every score would silently be None.
-        raise ValueError(
-            "accuracy_reward needs a `solution` column (one reference answer per completion); "
-            f"the columns given were {sorted(kwargs)}"
-        )
+        raise missing_solution("accuracy_reward", kwargs)
     rewards: list[float | None] = []
     for completion, reference in zip(completions, solution, strict=True):
         if _missing(reference):
