@@ -6,6 +6,7 @@ import gzip
 import json
 import logging
 import lzma
+import re
 import zipfile
 
 import datasets
@@ -368,6 +369,15 @@ def test_skip_mode_counts_and_logs(folder, caplog):
     assert dm.train_dataset.indices == [0, 1, 4, 5]
     assert len(all_rows(dm)) == 3  # the corrupt image is found at load, dropped and counted
     assert dm.skipped["corrupt_image"] == 1
+    # The rows a run trains on are logged (only skips were)
+    with caplog.at_level(logging.INFO, logger="lightning_vlm.data"):
+        SFTDataModule(train=write(folder, "jsonl", rows), on_bad_row="skip", val_fraction=0.25).setup()
+    assert any(
+        re.fullmatch(
+            r"Data: 3 training rows from .*data\.jsonl; 1 validation rows from .*data\.jsonl", r.getMessage()
+        )
+        for r in caplog.records
+    )
 
 
 def test_preference_checks_roles_and_prompt():

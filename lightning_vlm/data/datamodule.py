@@ -212,6 +212,14 @@ class VLMDataModule(L.LightningDataModule):
                 require_rows(val_indices, skipped, val, "data.val")
         self.train_dataset = self._dataset(train, indices)
         self.val_dataset = self._dataset(val, val_indices) if val is not None and val_indices else None
+        # What a run trains on, in its log (rank 0's): a column map or template that dropped rows shows here.
+        if self._world()[0] == 0:
+            held = (
+                "no validation rows"
+                if self.val_dataset is None
+                else f"{len(val_indices)} validation rows from {val.name}"
+            )
+            logger.info("Data: %d training rows from %s; %s", len(indices), train.name, held)
 
     def _held_out(self, source: Source, indices: list[int]) -> set[int]:
         """The rows ``val_fraction`` holds out: a seeded sample (the same seed holds out the same rows) of
