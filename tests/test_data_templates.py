@@ -237,3 +237,13 @@ def test_column_map_keeps_our_column_on_rows_without_the_mapped_one():
     fmt = RowFormat("prompt", column_map={"image": "images", "question": "prompt"})
     assert fmt.fill({"prompt": "P", "images": ["a", "b"]}) == {"prompt": "P", "images": ["a", "b"]}
     assert fmt.fill({"question": "Q", "image": "a"}) == {"prompt": "Q", "images": "a"}
+
+
+def test_column_map_reads_a_nested_field_by_its_dotted_path():
+    # verl's rows hold the answer at reward_model.ground_truth: no config reached it
+    fmt = RowFormat("prompt", column_map={"reward_model.ground_truth": "solution"})
+    verl = {"prompt": "P", "reward_model": {"style": "rule", "ground_truth": "4"}}
+    assert fmt.fill(verl) == {**verl, "solution": "4"}
+    assert fmt.fill({"prompt": "P", "reward_model": None}) == {"prompt": "P", "reward_model": None}
+    # a column whose own name holds the dot wins over the path
+    assert fmt.fill({"prompt": "P", "reward_model.ground_truth": "5"}) == {"prompt": "P", "solution": "5"}

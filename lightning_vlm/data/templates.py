@@ -54,18 +54,30 @@ def check_column_map(column_map: Any) -> None:
 
 
 def rename(row: Mapping, column_map: Mapping[str, str]) -> dict:
-    """The row with user column names mapped to ours (a mapped column wins over one already named so).
+    """The row with user column names mapped to ours (a mapped column wins over one already named so); a
+    dotted name reads a nested field (``reward_model.ground_truth``).
 
     A renamed column is gone under its old name: kept, it would pass through to the methods, and
     ``{image: images}`` would leave a row with both image columns."""
     if not column_map:
         return dict(row)
     # Only columns this row has replace ours: a row already written with our name keeps it.
-    present = {k for k in column_map if row.get(k) is not None}
+    values = {k: _lookup(row, k) for k in column_map}
+    present = {k for k, v in values.items() if v is not None}
     replaced = {column_map[k] for k in present}
     out = {k: v for k, v in row.items() if k not in column_map and k not in replaced}
-    out.update({column_map[k]: row[k] for k in present})
+    out.update({column_map[k]: values[k] for k in present})
     return out
+
+
+def _lookup(row: Mapping, key: str) -> Any:
+    """``row[key]``, or, for a dotted key the row has no column of, the nested field it names (verl's
+    ``reward_model.ground_truth``; the outer column stays as it is); None when there is none."""
+    if key in row or "." not in key:
+        return row.get(key)
+    head, _, rest = key.partition(".")
+    inner = row.get(head)
+    return _lookup(inner, rest) if isinstance(inner, Mapping) else None
 
 
 def template_columns(template: str, setting: str) -> tuple[str, ...]:
