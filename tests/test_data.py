@@ -447,3 +447,18 @@ def test_image_placeholders_in_text_become_image_blocks_where_written(folder):
             "sft",
             base_dir=folder,
         )
+
+
+def test_image_dir_is_where_relative_image_paths_start(folder, tmp_path):
+    # LLaVA-Instruct's JSON names images relative to an image folder (its image_folder), not to itself
+    rows = [{"messages": good_rows("sft")[0]["messages"], "images": ["red.png"]}]
+    data = tmp_path / "json" / "data.jsonl"
+    data.parent.mkdir()
+    data.write_text(json.dumps(rows[0]) + "\n")
+    with pytest.raises(RowError, match=r"image file not found: .*json/red\.png"):
+        SFTDataModule(train=str(data)).setup()
+    with pytest.raises(FileNotFoundError, match=r"data.image_dir='.*nope': no such folder"):
+        SFTDataModule(train=str(data), image_dir=str(folder / "nope"))
+    dm = SFTDataModule(train=str(data), image_dir=str(folder / "img"))
+    dm.setup()
+    assert dm.train_dataset[0]["images"][0].size == Image.open(folder / "img" / "red.png").size

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
+from pathlib import Path
 from typing import Any, ClassVar
 
 import lightning as L
@@ -109,11 +110,14 @@ class VLMDataModule(L.LightningDataModule):
         answer_template: str | None = None,
         system_prompt: str | None = None,
         alpha_background: list[int] | tuple[int, int, int] = WHITE,
+        image_dir: str | None = None,
     ) -> None:
         """``val=None`` means: carve ``val_fraction`` out of train, else the synthetic val split if train is
         synthetic, else no validation. ``synthetic`` keys: num_train, num_val, seed, kinds, image_size.
         ``column_map``, the templates and ``system_prompt`` shape raw rows: see ``templates.RowFormat``;
-        ``alpha_background`` is the RGB colour transparent pixels are composited on (``images.to_rgb``)."""
+        ``alpha_background`` is the RGB colour transparent pixels are composited on (``images.to_rgb``);
+        ``image_dir`` is the folder relative image paths start in (LLaVA's ``image_folder``; None: each
+        data file's own)."""
         super().__init__()
         # None in a config means "the default" (Hydra nodes often leave keys null).
         val_split, val_fraction = val_split or "validation", val_fraction or 0.0
@@ -125,6 +129,8 @@ class VLMDataModule(L.LightningDataModule):
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         if val_fraction and val is not None:
             raise ValueError("give either a val source or val_fraction, not both")
+        if image_dir is not None and not Path(image_dir).expanduser().is_dir():  # before the model loads
+            raise FileNotFoundError(f"data.image_dir={image_dir!r}: no such folder")
         for name, limit in (("max_samples", max_samples), ("max_val_samples", max_val_samples)):
             # 0 emptied the data ("it has none"), -1 cut its last row: a slice, not a count
             check_count(f"data.{name}", limit, hint=" (rows kept; null: all)")
@@ -171,7 +177,10 @@ class VLMDataModule(L.LightningDataModule):
 
     def load(self, spec: str | dict, split: str, role: str) -> Source:
         """The raw rows of one source spec (``load_source``); subclasses may reshape them."""
-        return load_source(spec, self.shape, split, self._synthetic(role))
+        source = load_source(spec, self.shape, split, self._synthetic(role))
+        if self.hparams.image_dir is not None:
+            source.base_dir, source.row_dirs = Path(self.hparams.image_dir).expanduser(), None
+        return source
 
     def row_limit(self, source: Source, limit: int | None) -> int | None:
         """How many of ``source``'s first rows ``data.max_samples`` (or ``max_val_samples``) keeps."""
