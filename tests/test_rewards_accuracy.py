@@ -100,3 +100,5 @@ def test_decimals_are_equal_only_up_to_float_rounding():
     ):  # fmt: skip
         assert not answers_match(answer, solution), (answer, solution)
     assert answers_match("1.0000000000000002e-7", "1e-7") and answers_match("0.1", "0.10000000000000001")
+    # A float32 column's values (to_pylist of a parquet column) are the decimals written, up to its rounding
+    assert answers_match("0.1", 0.10000000149011612) and answers_match("0.35", 0.3499999940395355)

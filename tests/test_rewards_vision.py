@@ -288,7 +288,8 @@ def test_numeric_reward_tolerance_edges():
         ("Z", None),
         ("'B'", "B"),  # straight quotes, as models write them; curly ones already counted
         ("The answer is 'B'.", "B"),
-        ("Answer: 'b'", "B"),
+        ("'b'", "B"),  # a whole answer, in any case
+        ("Spelled with an 'a', the answer is (C)", "C"),
         ('The answer is "B".', "B"),
         ("‘B’", "B"),
         ("I'm sure it's 'C', not 'D'", None),

@@ -143,9 +143,10 @@ def answers_match(completion: str, solution: Any) -> bool:
     if a_num is not None and s_num is not None:
         if a_num.is_integer() and s_num.is_integer():  # counts, years, prices: 1000001 is not 1000000
             return a_num == s_num
-        # Decimals: equal up to float rounding only, relative at every scale (1e-7 is not 9e-7); a
+        # Decimals: equal up to float rounding only, relative at every scale (1e-7 is not 9e-7, 999999.5
+        # not 1e6), float32's included (2^-24: a parquet float32 column's 0.10000000149011612 is 0.1); a
         # tolerance is numeric_reward's.
-        return math.isclose(a_num, s_num, rel_tol=1e-9)
+        return math.isclose(a_num, s_num, rel_tol=1e-7)
     a_choice, s_choice = _CHOICE.match(answer), _CHOICE.match(solution)
     if a_choice and s_choice:
         return a_choice.group(1).upper() == s_choice.group(1).upper()

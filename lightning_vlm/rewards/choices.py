@@ -15,11 +15,11 @@ from lightning_vlm.rewards.answers import score_with_reference
 if TYPE_CHECKING:
     from lightning_vlm.rewards.builtin import Completion
 
-_WHOLE_CHOICE = re.compile(r"\s*[(\[]?\s*([A-Za-z])\s*[)\]]?\s*[.:]?\s*")
+_WHOLE_CHOICE = re.compile(r"\s*[(\['\"]?\s*([A-Za-z])\s*[)\]'\"]?\s*[.:]?\s*")
 _PAREN_CHOICE = re.compile(r"[(\[]\s*([A-Za-z])\s*[)\]]")
-# A letter in straight quotes ("'B'", "the answer is 'b'"): the lone-capital rule leaves out letters next to
-# an apostrophe ("I'm", "B's"), so quoted ones are marked here.
-_QUOTED_CHOICE = re.compile(r"(?<![\w'])'([A-Za-z])'(?![\w'])")
+# A capital in straight quotes ("the answer is 'B'"): the lone-capital rule leaves out letters next to an
+# apostrophe ("I'm", "B's"), so quoted ones are marked here. Not lower case: "spelled with an 'a'".
+_QUOTED_CHOICE = re.compile(r"(?<![\w'])'([A-Z])'(?![\w'])")
 _CUE_CHOICE = re.compile(r"\b(?:answer|option|choice)(?:\s+is)?\s*[:=]?\s*[(\[]?\s*([A-Za-z])(?![\w'])", re.I)
 # What between a cue word and its letter makes the letter the answer: "answer is I", "Answer: I", "option (I)".
 _CUE_SEPARATOR = re.compile(r"\bis\b|[:=(\[]", re.I)
@@ -76,7 +76,7 @@ def parse_choice(text: str, choices: str = "ABCDEFGH") -> str | None:
     """The option letter the answer names (upper case), or None when it names none or several different ones.
 
     An answer that is just a letter counts in either case ("b", "(B)", "B."). In longer text a letter
-    counts when it is parenthesised or quoted ("(b)", "'b'"), follows "answer", "option" or "choice" ("Answer: B",
+    counts when it is parenthesised ("(b)") or a quoted capital ("'B'"), follows "answer", "option" or "choice" ("Answer: B",
     "the answer is b"), or stands alone as a capital ("I pick C"). An answer that opens with an option's
     marker and its text ("B. Vitamin C", "c) yellow") names that letter, and capitals in the text are
     the text's; a marked letter after it ("B. blue, or (C)"), or another option's marker after a line
