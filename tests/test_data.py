@@ -277,6 +277,10 @@ def test_plain_strings_become_typed_blocks_with_images_first(folder):
         {"prompt": "Q", "completion": "A", "image": uri}, "sft", base_dir=folder / "elsewhere"
     )
     assert out["images"] == [str(folder / "img" / "red.png")]
+    with pytest.raises(RowError, match=r"names the host 'img'.*three slashes"):
+        normalize_row(
+            {"prompt": "Q", "completion": "A", "image": "file://img/red.png"}, "sft", base_dir=folder
+        )
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
     out = normalize_row({"messages": chat, "image": "img/red.png"}, "sft", base_dir=folder)
     assert [m["content"] for m in out["messages"]] == [[IMG, text("Hi")], [text("Yo")]]
@@ -434,6 +438,9 @@ def test_image_placeholders_in_text_become_image_blocks_where_written(folder):
     out = normalize_row(grpo, "prompt", base_dir=folder)
     assert out["prompt"] == [{"role": "user", "content": [IMG, text("Colour?")]}] and "messages" not in out
     assert out["solution"] == "red"
+    # its last assistant answer is dropped, as ms-swift does: the policy must not see what it is rewarded for
+    answered = {**grpo, "messages": [*grpo["messages"], {"role": "assistant", "content": "red"}]}
+    assert normalize_row(answered, "prompt", base_dir=folder)["prompt"] == out["prompt"]
     # LLaVA-Instruct's ShareGPT rows ("message 0 has no string 'role'" before)
     llava = {"id": "000001", "image": "img/red.png", "conversations": [
         {"from": "human", "value": "<image>\nWhat colour?"}, {"from": "gpt", "value": "Red."}]}  # fmt: skip

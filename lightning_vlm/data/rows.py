@@ -185,7 +185,11 @@ def _image_ref(value: Any, at: _Row, column: str, base_dir: Path | None, check_f
         )  # fmt: skip
     if isinstance(value, str) and value.lstrip().lower().startswith("file://"):
         # A local file as a URI (pathlib's as_uri): its path, not a name relative to the data folder.
-        value = url2pathname(urlparse(value.strip()).path)
+        uri = urlparse(value.strip())
+        if uri.netloc not in ("", "localhost"):  # file://x/y.png: "x" is a host, the path /y.png
+            at.fail(column, "wrong_type", f"the file URI {value!r} names the host {uri.netloc!r}; a local "
+                    "file's is file:///absolute/path (three slashes), or give the path itself")  # fmt: skip
+        value = url2pathname(uri.path)
     if isinstance(value, str | os.PathLike):
         path = _resolve(value, base_dir)
         if check_files and not os.path.isfile(path):
@@ -348,9 +352,12 @@ def normalize_row(
         out.update(prompt=prompt, completion=completion)
         used = ("prompt", "completion", "label")
     else:
-        # ms-swift's GRPO rows hold the prompt as `messages`.
+        # ms-swift's GRPO rows hold the prompt as `messages`, whose last assistant answer ms-swift drops
+        # (remove_response): kept, the policy would see the answer it is rewarded for.
         column = "messages" if row.get("prompt") is None and row.get("messages") is not None else "prompt"
         prompt, plain = _text_or_conversation(_require(row, at, column), at, column, "user")
+        if column == "messages" and len(prompt) > 1 and prompt[-1]["role"] == "assistant":
+            prompt, plain = prompt[:-1], plain[:-1]
         _place_images(prompt, plain, len(images))
         _check_count(at, column, _count_images(prompt), len(images))
         out["prompt"] = prompt
