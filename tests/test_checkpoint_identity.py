@@ -5,6 +5,7 @@ weight names match: SFT into GRPO) or scoring against another reference (DPO's f
 
 from __future__ import annotations
 
+import copy
 import shutil
 
 import pytest
@@ -71,3 +72,19 @@ def test_a_reference_other_than_trainings_is_refused(dpo_ckpt, tmp_path):
     ]
     _, out = train(compose_train(same, tmp_path / "moved"))
     assert out["trainer"].global_step == 2
+
+
+def test_a_dtype_cast_is_the_same_reference_and_a_change_is_not(tiny_path):
+    # A run trained in float16 (a T4) and resumed in float32 has one reference: a digest of values rounded to
+    # bfloat16 refused it (fp16's rounding, then bf16's, lands on other values near a rounding boundary).
+    from lightning_vlm.models.reference import same_weights, sampled_weights
+
+    model = VLM(tiny_path("gemma3")).model
+    with torch.no_grad():
+        model.get_input_embeddings().weight[0, :4] = torch.tensor([1e-6, 3.3e-5, 0.1000061, -2.0004])
+    ours = sampled_weights(model)
+    for dtype in (torch.float16, torch.bfloat16):
+        assert same_weights(ours, sampled_weights(copy.deepcopy(model).to(dtype)))
+    with torch.no_grad():
+        model.get_input_embeddings().weight[0, 1] += 0.01
+    assert not same_weights(ours, sampled_weights(model))

@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import lightning as L
 
 from lightning_vlm.ckpt_path import checkpoint_entries
+from lightning_vlm.models.reference import same_weights
 
 KEY = "lightning_vlm/run_identity"
 EXPORT_ADVICE = (
@@ -25,10 +26,10 @@ EXPORT_ADVICE = (
 
 @runtime_checkable
 class HasReference(Protocol):
-    """A method with a reference model: the digest of its frozen copy's weights (``ReferenceModel``), None
+    """A method with a reference model: a sample of its frozen copy's weights (``ReferenceModel``), None
     when the reference is the policy with its adapters off (LoRA: its weights are in the checkpoint)."""
 
-    reference_fingerprint: str | None
+    reference_fingerprint: dict[str, Any] | None
 
 
 def _identity(module: L.LightningModule) -> dict[str, Any]:
@@ -60,7 +61,12 @@ def check_run_identity(ckpt_path: str | None, module: L.LightningModule, model_n
             f"{type(module).__name__}: a checkpoint resumes, or is scored by, the method that wrote it (its "
             f"optimizer state and step come with it). Pass that run's method=, or {EXPORT_ADVICE}."
         )
-    if recorded.get("reference") and ours["reference"] and recorded["reference"] != ours["reference"]:
+    theirs = recorded.get("reference")
+    if (
+        isinstance(theirs, dict)
+        and ours["reference"] is not None
+        and not same_weights(theirs, ours["reference"])
+    ):
         raise ValueError(
             f"ckpt_path={ckpt_path!r} was trained against a reference model with other weights than this "
             f"run's, a frozen copy of model.model_name_or_path={model_name_or_path!r}: the reference "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ class ReferenceModel:
         # Which weights the frozen copy holds, for checkpoints to record (callbacks/run_identity.py): a
         # checkpoint holds the policy but not the copy, which a resume or an evaluation rebuilds from
         # model.model_name_or_path. None with LoRA: the reference is the checkpoint's own base weights.
-        self.fingerprint = sampled_fingerprint(self.copy) if self.copy is not None else None
+        self.fingerprint = sampled_weights(self.copy) if self.copy is not None else None
 
     @property
     def shares_weights(self) -> bool:
@@ -90,15 +91,24 @@ class ReferenceModel:
         return self
 
 
-def sampled_fingerprint(model: torch.nn.Module, values: int = 256) -> str:
-    """A digest of ``model``'s weights that tells two models apart cheaply: each tensor's name and shape, and its
-    first and last ``values`` values rounded to bfloat16 (a model and its bf16 cast are one reference).
-    Any training or LoRA merge changes them; it is no proof that every other value is equal."""
-    h = hashlib.sha256()
+def sampled_weights(model: torch.nn.Module, per_end: int = 4) -> dict[str, Any]:
+    """A small sample of ``model``'s weights that tells two models apart cheaply (``same_weights``): a digest
+    of every tensor's name and shape, and the first and last ``per_end`` values of each floating tensor."""
+    names, values = hashlib.sha256(), []
     for name, tensor in sorted(model.state_dict().items()):
-        h.update(f"{name}{tuple(tensor.shape)}".encode())
+        names.update(f"{name}{tuple(tensor.shape)}".encode())
         if tensor.is_floating_point() and tensor.numel() and tensor.device.type != "meta":
             flat = tensor.detach().reshape(-1)
-            ends = torch.cat([flat[:values], flat[-values:]]).to("cpu", torch.bfloat16).contiguous()
-            h.update(ends.view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+            values.append(torch.cat([flat[:per_end], flat[-per_end:]]).to("cpu", torch.float32))
+    return {"names": names.hexdigest(), "values": torch.cat(values) if values else torch.zeros(0)}
+
+
+def same_weights(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two ``sampled_weights`` are of one model, up to a cast to float16 or bfloat16 (a run resumed in
+    another dtype): relative 8e-3 is two of bfloat16's steps, and 1e-6 covers float16's smallest values. A
+    model trained further or merged with a LoRA adapter moves its values well past that."""
+    return (
+        a["names"] == b["names"]
+        and a["values"].shape == b["values"].shape
+        and torch.allclose(a["values"], b["values"], rtol=8e-3, atol=1e-6)
+    )
