@@ -21,7 +21,7 @@ from lightning_vlm.callbacks.completions import LogCompletions
 from lightning_vlm.callbacks.export import publish_after_fit
 from lightning_vlm.callbacks.resume import BatchCountAfterResume, NextEpochAfterRestart
 from lightning_vlm.callbacks.rng_states import RngStates
-from lightning_vlm.callbacks.run_identity import RunIdentity, check_run_identity
+from lightning_vlm.callbacks.run_identity import RunIdentity, check_run_identity, warn_unapplied_optimizer
 from lightning_vlm.callbacks.run_report import RunReport, finish_reports
 from lightning_vlm.callbacks.validated_step import ValidatedStep, validated_final_step
 from lightning_vlm.ckpt_path import checkpoint_to_load, last_checkpoint, restore_errors
@@ -181,6 +181,9 @@ def _fit(
     # A local file or folder only (a URL would be unpickled with weights_only=False), loaded weights-only.
     ckpt_path = checkpoint_to_load(cfg.get("ckpt_path"), trainer, resuming=True)
     check_run_identity(ckpt_path, module, cfg.model.model_name_or_path)
+    warn_unapplied_optimizer(
+        ckpt_path, OmegaConf.to_container(cfg.method.get("optimizer") or {}, resolve=True)
+    )
 
     for lg in trainer.loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))

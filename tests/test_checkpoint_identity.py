@@ -6,6 +6,7 @@ weight names match: SFT into GRPO) or scoring against another reference (DPO's f
 from __future__ import annotations
 
 import copy
+import logging
 import shutil
 
 import pytest
@@ -88,3 +89,21 @@ def test_a_dtype_cast_is_the_same_reference_and_a_change_is_not(tiny_path):
     with torch.no_grad():
         model.get_input_embeddings().weight[0, 1] += 0.01
     assert not same_weights(ours, sampled_weights(model))
+
+
+def test_an_optimizer_setting_a_resume_cannot_apply_is_named(dpo_ckpt, tmp_path, caplog):
+    # Lightning restores the checkpoint's optimizer state, lr included: method.optimizer.lr on a resume
+    # changed nothing, silently
+    root, _ = dpo_ckpt
+    train(compose_train([*RUN, "method=sft"], root / "sft_lr"))
+    ckpt = root / "sft_lr" / "checkpoints" / "last.ckpt"
+    resume = [*RUN, "method=sft", "trainer.max_steps=2", f"ckpt_path={ckpt}"]
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
+        _, out = train(compose_train([*resume, "method.optimizer.lr=1e-5"], tmp_path / "a"))
+    (warning,) = [r.getMessage() for r in caplog.records if "not applied" in r.getMessage()]
+    assert "method.optimizer.lr=1e-05" in warning and "0.001" in warning
+    assert out["trainer"].optimizers[0].param_groups[0]["lr"] == 0.001  # as the warning says
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
+        train(compose_train(resume, tmp_path / "b"))
+    assert not [r for r in caplog.records if "not applied" in r.getMessage()]

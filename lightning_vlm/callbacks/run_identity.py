@@ -10,12 +10,16 @@ checkpoint whose record differs from the run about to load it (checkpoints witho
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
 
 from lightning_vlm.ckpt_path import checkpoint_entries
 from lightning_vlm.models.reference import same_weights
+
+log = logging.getLogger(__name__)
 
 KEY = "lightning_vlm/run_identity"
 EXPORT_ADVICE = (
@@ -73,3 +77,34 @@ def check_run_identity(ckpt_path: str | None, module: L.LightningModule, model_n
             "log-probs, and the rewards, KL and preference accuracy from them, would differ from training's. "
             "Pass the training run's model.model_name_or_path (and tiny_start)."
         )
+
+
+def warn_unapplied_optimizer(ckpt_path: str | None, optimizer: Mapping[str, Any] | None) -> None:
+    """Warns, naming them, of ``method.optimizer`` settings that differ from those ``ckpt_path``'s optimizer
+    was built with: Lightning restores its state, param groups included, so a resume keeps the
+    checkpoint's lr (its ``initial_lr`` under a scheduler), weight decay, betas and eps."""
+    groups = [g for state in (checkpoint_entries(ckpt_path) or {}).get("optimizer_states") or []
+              for g in state.get("param_groups") or []]  # fmt: skip
+    if not groups or not isinstance(optimizer, Mapping):
+        return
+    stored = {**groups[0], "lr": groups[0].get("initial_lr", groups[0].get("lr"))}
+    differ = {
+        key: (value, stored[key])
+        for key, value in optimizer.items()
+        if not key.startswith("_") and key in stored and _plain(value) != _plain(stored[key])
+    }
+    if differ:
+        log.warning(
+            "ckpt_path=%r restores its optimizer state, so these settings are not applied: %s. The resumed "
+            "run trains on with the checkpoint's.",
+            ckpt_path,
+            ", ".join(
+                f"method.optimizer.{k}={ours!r} (checkpoint: {theirs!r})"
+                for k, (ours, theirs) in differ.items()
+            ),
+        )
+
+
+def _plain(value: Any) -> Any:
+    """Settings as comparable values: a list and a tuple of the same numbers (betas) are one setting."""
+    return [float(v) for v in value] if isinstance(value, list | tuple) else value
