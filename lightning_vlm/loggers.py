@@ -131,6 +131,10 @@ class ResumingWandbLogger(WandbLogger):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._history_end: int | None = None  # last step in the run's history before this process
+        # Lightning passes anonymous=None to wandb.init, which wandb >= 0.22 answers with a deprecation
+        # warning at the top of every run ("The anonymous setting has no effect"), whatever its value.
+        if self._wandb_init.get("anonymous") is None:
+            self._wandb_init.pop("anonymous", None)
 
     def _logged_through(self) -> int:
         if self._history_end is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -105,6 +106,9 @@ def drop_refused(callbacks: list[Any], trainer_cfg: DictConfig, has_logger: bool
 def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
     """Seeds, checks the model against its settings, and builds the datamodule and the method module
     (with its VLM): what train.py and eval.py share."""
+    # Lightning's pytree helper still builds torch's deprecated LeafSpec: a FutureWarning at the top of every
+    # run that says nothing about it.
+    warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
     check_settings(cfg)  # settings that would fail later with a traceback, refused naming the setting
     offline_if_unreachable(cfg)  # a missing model or dataset named at once, not after minutes of retries
     if cfg.get("seed") is not None:

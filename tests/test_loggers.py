@@ -21,7 +21,7 @@ def fresh_wandb():
     wandb.teardown()
 
 
-def test_no_account_means_offline(tmp_path, monkeypatch, fresh_wandb):
+def test_no_account_means_offline(tmp_path, monkeypatch, fresh_wandb, capsys):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
@@ -31,6 +31,8 @@ def test_no_account_means_offline(tmp_path, monkeypatch, fresh_wandb):
     (started,) = start_runs([logger])  # offline: a folder and no network
     assert started is logger and list((tmp_path / "wandb").glob("offline-run-*"))
     finish_runs([logger])
+    # a newcomer's first run printed wandb's deprecation of the anonymous setting Lightning passes
+    assert "anonymous" not in capsys.readouterr().err
 
 
 def test_csv_fallback_when_wandb_cannot_start(tmp_path, monkeypatch, fresh_wandb):

@@ -49,6 +49,9 @@ def test_train_py_default_config_runs_a_few_steps(tmp_path):
     assert (run / "checkpoints" / "last.ckpt").is_file()
     assert (run / ".hydra" / "config.yaml").is_file()
     assert list((run / "wandb").glob("offline-run-*")), "wandb should have written an offline run"
+    # What a newcomer's first run printed that says nothing about it: wandb's deprecation of the anonymous
+    # setting Lightning passes, and torch's of the LeafSpec Lightning builds.
+    assert "anonymous" not in proc.stderr + proc.stdout and "LeafSpec" not in proc.stderr + proc.stdout
 
 
 METHODS = ["sft", "dpo", "mpo", "kto", "grpo", "gspo", "dapo", "rloo", "online_dpo"]
