@@ -107,3 +107,18 @@ def test_an_optimizer_setting_a_resume_cannot_apply_is_named(dpo_ckpt, tmp_path,
     with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
         train(compose_train(resume, tmp_path / "b"))
     assert not [r for r in caplog.records if "not applied" in r.getMessage()]
+    # A scheduler rewrites the stored lr and betas (OneCycleLR: lr 4e-7 after its warm-up starts, beta1
+    # cycled): the same settings resumed are no change
+    cycle = [
+        "method.scheduler={_target_:torch.optim.lr_scheduler.OneCycleLR,_partial_:true,max_lr:0.001,total_steps:4}"
+    ]
+    train(compose_train([*RUN, "method=sft", *cycle], root / "sft_cycle"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
+        ckpt = root / "sft_cycle" / "checkpoints" / "last.ckpt"
+        train(
+            compose_train(
+                [*RUN, "method=sft", *cycle, "trainer.max_steps=2", f"ckpt_path={ckpt}"], tmp_path / "c"
+            )
+        )
+    assert not [r for r in caplog.records if "not applied" in r.getMessage()]

@@ -82,12 +82,14 @@ def check_run_identity(ckpt_path: str | None, module: L.LightningModule, model_n
 def warn_unapplied_optimizer(ckpt_path: str | None, optimizer: Mapping[str, Any] | None) -> None:
     """Warns, naming them, of ``method.optimizer`` settings that differ from those ``ckpt_path``'s optimizer
     was built with: Lightning restores its state, param groups included, so a resume keeps the
-    checkpoint's lr (its ``initial_lr`` under a scheduler), weight decay, betas and eps."""
-    groups = [g for state in (checkpoint_entries(ckpt_path) or {}).get("optimizer_states") or []
-              for g in state.get("param_groups") or []]  # fmt: skip
-    if not groups or not isinstance(optimizer, Mapping):
+    checkpoint's lr, weight decay, betas and eps. Without a scheduler only: schedulers rewrite the lr and
+    some the betas (OneCycleLR's, CyclicLR's), so stored values would differ from the settings unchanged.
+    Sharded (FSDP, DeepSpeed) checkpoints keep their optimizer state apart and are not read."""
+    entries = checkpoint_entries(ckpt_path) or {}
+    groups = [g for state in entries.get("optimizer_states") or [] for g in state.get("param_groups") or []]
+    if not groups or entries.get("lr_schedulers") or not isinstance(optimizer, Mapping):
         return
-    stored = {**groups[0], "lr": groups[0].get("initial_lr", groups[0].get("lr"))}
+    stored = groups[0]
     differ = {
         key: (value, stored[key])
         for key, value in optimizer.items()
