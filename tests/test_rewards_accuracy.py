@@ -102,3 +102,6 @@ def test_decimals_are_equal_only_up_to_float_rounding():
     assert answers_match("1.0000000000000002e-7", "1e-7") and answers_match("0.1", "0.10000000000000001")
     # A float32 column's values (to_pylist of a parquet column) are the decimals written, up to its rounding
     assert answers_match("0.1", 0.10000000149011612) and answers_match("0.35", 0.3499999940395355)
+    assert not answers_match("0.1", "0.10000000149011612")  # written as text: taken as written
+    for answer, solution in (("10000000.5", "10000000"), ("12345678.5", "12345679.5"), ("10000000.5", 1e7)):
+        assert not answers_match(answer, solution), (answer, solution)

@@ -289,6 +289,8 @@ def test_numeric_reward_tolerance_edges():
         ("'B'", "B"),  # straight quotes, as models write them; curly ones already counted
         ("The answer is 'B'.", "B"),
         ("'b'", "B"),  # a whole answer, in any case
+        ("The answer is 'b'.", "B"),  # after a cue word too
+        ("option 'c'", "C"),
         ("Spelled with an 'a', the answer is (C)", "C"),
         ('The answer is "B".', "B"),
         ("‘B’", "B"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 import string
+import struct
 import unicodedata
 from typing import Any
 
@@ -119,6 +120,14 @@ def _as_number(text: str) -> float | None:
     return number_value(match) if match else None
 
 
+def _float32(value: float) -> float:
+    """``value`` rounded to float32 (to nearest, ties to even), as a float."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # beyond float32's range: no float32 value
+        return math.nan
+
+
 def is_answer_list(solution: Any) -> bool:
     """Whether ``solution`` is a list of accepted answers (VQA's "answers" column): any one is right."""
     return isinstance(solution, list | tuple) and all(isinstance(s, str) for s in solution)
@@ -134,6 +143,7 @@ def answers_match(completion: str, solution: Any) -> bool:
     if is_answer_list(solution):  # an empty list matches nothing
         return any(answers_match(completion, s) for s in solution)
     answer = extract_answer(completion).strip()
+    stored = solution  # a float column's value, before it becomes text
     solution = solution if isinstance(solution, str) else str(solution)
     solution = extract_answer(solution).strip()
     plain = normalize(answer)
@@ -144,9 +154,15 @@ def answers_match(completion: str, solution: Any) -> bool:
         if a_num.is_integer() and s_num.is_integer():  # counts, years, prices: 1000001 is not 1000000
             return a_num == s_num
         # Decimals: equal up to float rounding only, relative at every scale (1e-7 is not 9e-7, 999999.5
-        # not 1e6), float32's included (2^-24: a parquet float32 column's 0.10000000149011612 is 0.1); a
-        # tolerance is numeric_reward's.
-        return math.isclose(a_num, s_num, rel_tol=1e-7)
+        # not 1e6; a tolerance is numeric_reward's). A float32 column's value is the decimal written,
+        # rounded to float32 (a parquet column's 0.10000000149011612 is 0.1): the answer rounded so equals it.
+        if (
+            isinstance(stored, float)
+            and not stored.is_integer()
+            and _float32(stored) == stored == _float32(a_num)
+        ):
+            return True
+        return math.isclose(a_num, s_num, rel_tol=1e-9)
     a_choice, s_choice = _CHOICE.match(answer), _CHOICE.match(solution)
     if a_choice and s_choice:
         return a_choice.group(1).upper() == s_choice.group(1).upper()

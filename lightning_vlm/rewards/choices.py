@@ -20,7 +20,11 @@ _PAREN_CHOICE = re.compile(r"[(\[]\s*([A-Za-z])\s*[)\]]")
 # A capital in straight quotes ("the answer is 'B'"): the lone-capital rule leaves out letters next to an
 # apostrophe ("I'm", "B's"), so quoted ones are marked here. Not lower case: "spelled with an 'a'".
 _QUOTED_CHOICE = re.compile(r"(?<![\w'])'([A-Z])'(?![\w'])")
-_CUE_CHOICE = re.compile(r"\b(?:answer|option|choice)(?:\s+is)?\s*[:=]?\s*[(\[]?\s*([A-Za-z])(?![\w'])", re.I)
+# A quote may open the letter ("the answer is 'b'"); after it, no word ("answer is a cat") and no
+# apostrophe that starts one ("answer: I'm ...").
+_CUE_CHOICE = re.compile(
+    r"\b(?:answer|option|choice)(?:\s+is)?\s*[:=]?\s*[(\['\"]?\s*([A-Za-z])(?!\w|'\w)", re.I
+)
 # What between a cue word and its letter makes the letter the answer: "answer is I", "Answer: I", "option (I)".
 _CUE_SEPARATOR = re.compile(r"\bis\b|[:=(\[]", re.I)
 # An answer opening with an option's marker, then its text: "B. Vitamin C", "(b) red", "c) yellow".
