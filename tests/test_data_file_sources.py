@@ -165,3 +165,15 @@ def test_image_paths_in_a_column_no_image_setting_reads_are_named(tmp_path, capl
     with caplog.at_level(logging.WARNING, logger="lightning_vlm.data"):
         PromptDataModule(train=str(tmp_path / "train.jsonl"), column_map={"image_path": "image"}).setup()
     assert "no row has an image" not in caplog.text
+
+
+def test_the_rows_a_run_trains_on_are_logged(tmp_path, caplog):
+    # only skips were logged: a column map or a template that dropped rows showed nowhere
+    with caplog.at_level(logging.INFO, logger="lightning_vlm.data"):
+        PromptDataModule(train=write(tmp_path, "jsonl"), val_fraction=0.2).setup()
+    assert any(
+        re.fullmatch(
+            r"Data: 8 training rows from .*\.jsonl; 2 validation rows from .*\.jsonl", r.getMessage()
+        )
+        for r in caplog.records
+    )
