@@ -113,33 +113,21 @@ def _images_arg(images: Sequence[Sequence[Image.Image]]):
     return [list(imgs) for imgs in images] if any(len(imgs) for imgs in images) else None
 
 
-class SampleError(ValueError):
-    """A problem of sample ``index`` of a batch, which the caller names (it holds the rows)."""
-
-    def __init__(self, index: int, message: str) -> None:
-        super().__init__(message)
-        self.index = index
-
-
-def _check_image_tokens(processor, texts: list[str], images: Sequence[Sequence[Image.Image]]) -> None:
-    """Each text holds one image token per image, as the chat template writes them. A text that holds the
-    model's own token as well made the processor raise StopIteration (Lightning's end of an epoch: a run
-    hung, or skipped the rest of each epoch); in a batch without images the token stayed in the ids."""
+def _check_image_tokens(processor, text: str, images: int) -> None:
+    """A rendered text holds one image token per image, as the chat template writes them. A text that held
+    the model's own token as well made the processor raise StopIteration (Lightning's end of an epoch: a run
+    hung, or skipped the rest of each epoch); in a batch without images the token stayed in the ids. Checked
+    where each row is rendered (``_spans``, ``render_prompt``), which name the row."""
     token = getattr(processor, "image_token", None)
-    if not isinstance(token, str) or not token:
-        return
-    for b, (text, imgs) in enumerate(zip(texts, images, strict=True)):
-        if (found := text.count(token)) != len(imgs):
-            raise SampleError(
-                b, f"{found} image tokens {token!r} for {len(imgs)} image{'s' if len(imgs) != 1 else ''}: "
-                "its text holds the model's image token; remove it (each image's {'type': 'image'} block "
-                "places one)",
-            )  # fmt: skip
+    if isinstance(token, str) and token and (found := text.count(token)) != images:
+        raise ValueError(
+            f"{found} image tokens {token!r} for {images} image{'s' if images != 1 else ''}: its text holds "
+            "the model's image token; remove it (each image's {'type': 'image'} block places one)"
+        )
 
 
 def process(processor, texts: list[str], images, padding_side: str, **kwargs) -> dict:
     """One processor call: padded tensors plus the family's image extras and ``num_images``."""
-    _check_image_tokens(processor, texts, images)
     out = processor(
         text=texts,
         images=_images_arg(images),
@@ -158,9 +146,11 @@ def _spans(processor, row: dict, end_of_turn: str) -> tuple[str, list[tuple[int,
     messages = row["messages"]
     trained_from = len(messages) - row.get(COMPLETION_MESSAGES, len(messages))
     try:
-        return assistant_char_spans(processor, messages, end_of_turn, trained_from)
+        text, spans = assistant_char_spans(processor, messages, end_of_turn, trained_from)
+        _check_image_tokens(processor, text, len(row.get("images") or []))
     except ValueError as err:
         raise ValueError(f"SFT row {row_summary(row)}: {err}") from err
+    return text, spans
 
 
 def encode_sft(processor, config, rows: list[dict], end_of_turn: str, max_length: int | None = None) -> dict:
@@ -170,17 +160,14 @@ def encode_sft(processor, config, rows: list[dict], end_of_turn: str, max_length
     ``ValueError`` (cutting image placeholders breaks the forward, the top complaint of VLM trainers).
     """
     texts, spans = zip(*(_spans(processor, row, end_of_turn) for row in rows), strict=True)
-    try:
-        batch = process(
-            processor,
-            list(texts),
-            [row.get("images", []) for row in rows],
-            padding_side="right",
-            return_offsets_mapping=True,
-            return_text_replacement_offsets=True,
-        )
-    except SampleError as err:
-        raise ValueError(f"SFT row {row_summary(rows[err.index])}: {err}") from None
+    batch = process(
+        processor,
+        list(texts),
+        [row.get("images", []) for row in rows],
+        padding_side="right",
+        return_offsets_mapping=True,
+        return_text_replacement_offsets=True,
+    )
     offsets = batch.pop("offset_mapping")
     replacements = batch.pop("text_replacement_offsets", None)
     if replacements is None or isinstance(replacements, torch.Tensor):
@@ -249,7 +236,7 @@ def render_prompt(processor, messages: list[dict], images: Sequence[Image.Image]
     refuses, or whose text holds the model's image token, is named."""
     try:
         text = render(processor, messages, add_generation_prompt=True)
-        _check_image_tokens(processor, [text], [images])
+        _check_image_tokens(processor, text, len(images))
     except ValueError as err:
         raise ValueError(f"prompt {row_summary({'prompt': messages, 'images': images})}: {err}") from err
     return text
