@@ -98,7 +98,9 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
             cfg.trainer, callbacks=callbacks, logger=loggers or False
         )
         ckpt_path = checkpoint_to_load(cfg.get("ckpt_path"), trainer)
-        check_run_identity(ckpt_path, module, cfg.model.model_name_or_path)
+        check_run_identity(
+            ckpt_path, checkpoint_entries(ckpt_path) or {}, module, cfg.model.model_name_or_path
+        )
         if isinstance(module, DPO | KTO) and ckpt_path is None:
             # DPO's and KTO's reference is a copy of the model they were built from: scoring an HF folder
             # against itself gives every implicit reward 0 (preference accuracy 0.5 by construction).

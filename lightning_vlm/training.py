@@ -25,7 +25,7 @@ from lightning_vlm.callbacks.rng_states import RngStates
 from lightning_vlm.callbacks.run_identity import RunIdentity, check_run_identity, warn_unapplied_optimizer
 from lightning_vlm.callbacks.run_report import RunReport, finish_reports
 from lightning_vlm.callbacks.validated_step import ValidatedStep, validated_final_step
-from lightning_vlm.ckpt_path import checkpoint_to_load, last_checkpoint, restore_errors
+from lightning_vlm.ckpt_path import checkpoint_entries, checkpoint_to_load, last_checkpoint, restore_errors
 from lightning_vlm.hub_reach import offline_if_unreachable
 from lightning_vlm.loggers import WandbRunId, builds_wandb, ending_runs, start_runs, wandb_run_id
 from lightning_vlm.models.scale_guard import check_model_scale
@@ -184,10 +184,10 @@ def _fit(
     check_launch(trainer)
     # A local file or folder only (a URL would be unpickled with weights_only=False), loaded weights-only.
     ckpt_path = checkpoint_to_load(cfg.get("ckpt_path"), trainer, resuming=True)
-    check_run_identity(ckpt_path, module, cfg.model.model_name_or_path)
-    warn_unapplied_optimizer(
-        ckpt_path, OmegaConf.to_container(cfg.method.get("optimizer") or {}, resolve=True)
-    )
+    entries = checkpoint_entries(ckpt_path) or {}  # read once, for both checks
+    check_run_identity(ckpt_path, entries, module, cfg.model.model_name_or_path)
+    optimizer = OmegaConf.to_container(cfg.method.get("optimizer") or {}, resolve=True)
+    warn_unapplied_optimizer(ckpt_path, entries, optimizer)
 
     for lg in trainer.loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))

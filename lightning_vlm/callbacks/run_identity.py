@@ -5,7 +5,8 @@ GRPO continued silently with SFT's optimizer state and step. A frozen-copy refer
 methods with a KL) is not in the checkpoint: a resume or an evaluation rebuilds it from
 ``model.model_name_or_path``, and another model there changed every reference log-prob without a sign.
 ``RunIdentity`` records both in every checkpoint train.py writes; ``check_run_identity`` refuses a
-checkpoint whose record differs from the run about to load it (checkpoints without one load as before).
+checkpoint whose record (in its ``checkpoint_entries``) differs from the run about to load it (checkpoints
+without one load as before).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
 
-from lightning_vlm.ckpt_path import checkpoint_entries
 from lightning_vlm.models.reference import same_weights
 
 log = logging.getLogger(__name__)
@@ -51,10 +51,13 @@ class RunIdentity(L.Callback):
         checkpoint[KEY] = _identity(pl_module)
 
 
-def check_run_identity(ckpt_path: str | None, module: L.LightningModule, model_name_or_path: str) -> None:
-    """Refuses ``ckpt_path`` when another method wrote it, or when its reference model's weights are not the
-    ones this run built from ``model_name_or_path``, naming what to pass instead."""
-    recorded = (checkpoint_entries(ckpt_path) or {}).get(KEY)
+def check_run_identity(
+    ckpt_path: str | None, entries: Mapping[str, Any], module: L.LightningModule, model_name_or_path: str
+) -> None:
+    """Refuses ``ckpt_path`` (whose ``checkpoint_entries`` are ``entries``) when another method wrote it, or
+    when its reference model's weights are not the ones this run built from ``model_name_or_path``, naming
+    what to pass instead."""
+    recorded = entries.get(KEY)
     if not isinstance(recorded, dict):
         return
     ours = _identity(module)
@@ -79,13 +82,14 @@ def check_run_identity(ckpt_path: str | None, module: L.LightningModule, model_n
         )
 
 
-def warn_unapplied_optimizer(ckpt_path: str | None, optimizer: Mapping[str, Any] | None) -> None:
+def warn_unapplied_optimizer(
+    ckpt_path: str | None, entries: Mapping[str, Any], optimizer: Mapping[str, Any] | None
+) -> None:
     """Warns, naming them, of ``method.optimizer`` settings that differ from those ``ckpt_path``'s optimizer
     was built with: Lightning restores its state, param groups included, so a resume keeps the
     checkpoint's lr, weight decay, betas and eps. Without a scheduler only: schedulers rewrite the lr and
     some the betas (OneCycleLR's, CyclicLR's), so stored values would differ from the settings unchanged.
-    Sharded (FSDP, DeepSpeed) checkpoints keep their optimizer state apart and are not read."""
-    entries = checkpoint_entries(ckpt_path) or {}
+    Sharded (FSDP, DeepSpeed) checkpoints keep their optimizer state apart, which ``entries`` lack."""
     groups = [g for state in entries.get("optimizer_states") or [] for g in state.get("param_groups") or []]
     if not groups or entries.get("lr_schedulers") or not isinstance(optimizer, Mapping):
         return
