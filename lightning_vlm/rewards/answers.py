@@ -74,7 +74,8 @@ def score_with_reference(
     """The loop every reference-based reward shares: checks the column, skips missing cells, reads each solution.
 
     A solution that is a list of strings or numbers is a list of accepted answers (``answers_match`` takes
-    strings only, since its list of numbers may be a box): the reward is the best score over them (blank ones skipped; all blank is a missing cell). ``lists=False``
+    strings only, since its list of numbers may be a box): the reward is the best score over them (blank
+    ones skipped; all blank is a missing cell). ``lists=False``
     for a reward whose one reference may be a list (a box as four numbers).
 
     ``read_reference`` raises ``ValueError`` for a solution it cannot read; the error is re-raised
