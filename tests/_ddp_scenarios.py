@@ -186,7 +186,7 @@ def collectives(out: Path) -> None:
     for level in ("token", "sequence"):
         for tag, rows in (("", None), ("_one_empty", 0 if r else None)):
             old, sampler, mask = correction_inputs(r, rows)
-            _, metrics = rollout_correction(old, sampler, mask, level, "truncate", cap=1.5)
+            _, metrics = rollout_correction(old, sampler, mask, level, "truncate", clip_max=1.5)
             pooled = pooled_correction(metrics, mask, level)
             result[f"correction_{level}{tag}"] = {k: float(v) for k, v in pooled.items()}
     (out / f"collectives-rank{r}.json").write_text(json.dumps(result))

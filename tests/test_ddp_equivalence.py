@@ -224,7 +224,7 @@ def test_collectives_take_a_different_number_of_rows_on_each_rank(two_processes)
             width = max(p[0].shape[1] for p in parts)
             old, sampler, mask = (torch.cat([F.pad(p[i], (0, width - p[i].shape[1])) for p in parts])
                                   for i in range(3))  # fmt: skip
-            _, expected = rollout_correction(old, sampler, mask, level, "truncate", cap=1.5)
+            _, expected = rollout_correction(old, sampler, mask, level, "truncate", clip_max=1.5)
             for result in results:
                 logged = result[f"correction_{level}{tag}"]
                 assert logged.keys() == expected.keys(), (level, tag)

@@ -23,7 +23,7 @@ def close(actual: torch.Tensor, expected: list[list[float]] | float) -> None:
 
 
 def test_token_truncate_caps_each_token():
-    w, m = rollout_correction(OLD, SAMPLER, MASK, "token", "truncate", cap=3.0)
+    w, m = rollout_correction(OLD, SAMPLER, MASK, "token", "truncate", clip_max=3.0)
     close(w, [[2.0, 0.5, 3.0], [1.5, 1.0, 0.0]])
     close(m["is_ratio/capped_frac"], 1 / 5)
     close(m["is_ratio/mean"], sum(TOKEN_RATIOS) / 5)
@@ -32,20 +32,20 @@ def test_token_truncate_caps_each_token():
 
 
 def test_token_mask_zeroes_tokens_over_cap():
-    w, m = rollout_correction(OLD, SAMPLER, MASK, "token", "mask", cap=3.0)
+    w, m = rollout_correction(OLD, SAMPLER, MASK, "token", "mask", clip_max=3.0)
     close(w, [[2.0, 0.5, 0.0], [1.5, 1.0, 0.0]])
     close(m["is_ratio/capped_frac"], 1 / 5)
 
 
 def test_sequence_level_uses_product_of_token_ratios():
     # row 0: 2 · 0.5 · 4 = 4 > cap; row 1: 1.5 · 1 = 1.5
-    w, m = rollout_correction(OLD, SAMPLER, MASK, "sequence", "truncate", cap=3.0)
+    w, m = rollout_correction(OLD, SAMPLER, MASK, "sequence", "truncate", clip_max=3.0)
     close(w, [[3.0, 3.0, 3.0], [1.5, 1.5, 0.0]])
     close(m["is_ratio/capped_frac"], 1 / 2)
     close(m["is_ratio/mean"], (4.0 + 1.5) / 2)
     close(m["is_ratio/min"], 1.5)
     close(m["is_ratio/max"], 4.0)
-    w, m = rollout_correction(OLD, SAMPLER, MASK, "sequence", "mask", cap=3.0)
+    w, m = rollout_correction(OLD, SAMPLER, MASK, "sequence", "mask", clip_max=3.0)
     close(w, [[0.0, 0.0, 0.0], [1.5, 1.5, 0.0]])
     close(m["is_ratio/capped_frac"], 1 / 2)
 
@@ -93,3 +93,36 @@ def test_split_trl_mode_and_errors():
         split_trl_mode("token_clip")
     with pytest.raises(ValueError, match="mode"):
         rollout_correction(OLD, SAMPLER, MASK, "token", "clip")  # type: ignore[arg-type]
+
+
+# TRL's vllm_importance_sampling_clip_min: ratios below C_min are raised to it (truncate) or zeroed (mask).
+# Token ratios 2, 0.5, 4 | 1.5, 1; sequence ratios 4 | 1.5.
+@pytest.mark.parametrize(
+    ("level", "mode", "clip_min", "clip_max", "expected", "outside"),
+    [
+        ("token", "truncate", 0.8, 3.0, [[2.0, 0.8, 3.0], [1.5, 1.0, 0.0]], 2 / 5),
+        ("token", "mask", 0.8, 3.0, [[2.0, 0.0, 0.0], [1.5, 1.0, 0.0]], 2 / 5),
+        # no upper bound: TRL's clip_max=None, "strictly mask ratios below C_min"
+        ("token", "mask", 1.2, None, [[2.0, 0.0, 4.0], [1.5, 0.0, 0.0]], 2 / 5),
+        ("token", "truncate", None, None, [[2.0, 0.5, 4.0], [1.5, 1.0, 0.0]], 0.0),
+        ("sequence", "truncate", 2.0, 3.0, [[3.0, 3.0, 3.0], [2.0, 2.0, 0.0]], 1.0),
+        ("sequence", "mask", 2.0, 5.0, [[4.0, 4.0, 4.0], [0.0, 0.0, 0.0]], 1 / 2),
+        # C_min 0 is no bound, as in TRL (a ratio is never below 0)
+        ("sequence", "mask", 0.0, 5.0, [[4.0, 4.0, 4.0], [1.5, 1.5, 0.0]], 0.0),
+    ],
+)
+def test_clip_min_and_clip_max_bound_the_ratio_as_trl_does(
+    level, mode, clip_min, clip_max, expected, outside
+):
+    w, m = rollout_correction(OLD, SAMPLER, MASK, level, mode, clip_max=clip_max, clip_min=clip_min)
+    close(w, expected)
+    close(m["is_ratio/capped_frac"], outside)
+
+
+@pytest.mark.parametrize(
+    ("clip_min", "clip_max", "match"),
+    [(None, 0.0, "clip_max must be > 0"), (-0.1, 3.0, "clip_min must be >= 0"), (4.0, 3.0, "is above")],
+)
+def test_bounds_that_are_no_ratio_range_are_refused(clip_min, clip_max, match):
+    with pytest.raises(ValueError, match=match):
+        rollout_correction(OLD, SAMPLER, MASK, "token", "mask", clip_max=clip_max, clip_min=clip_min)

@@ -4,7 +4,7 @@ The sampler is HF ``generate`` on a drifted copy of the policy (every weight mov
 noise), flagged as not the policy, with its own per-token log-probs: the trainer's log-probs of those
 completions differ from the sampler's by tens of percent per token, as a stale or lower-precision
 engine's do (the vLLM tests see ratios ≈ 1). Each of TRL's four modes must cap or mask exactly the
-tokens (or sequences) whose ratio π_trainer/π_sampler exceeds the cap, and the loss must weigh each
+tokens (or sequences) whose ratio π_trainer/π_sampler is outside [clip_min, clip_max], and the loss must weigh each
 token's surrogate by the resulting weight, as computed here by hand.
 """
 
@@ -23,7 +23,7 @@ from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.methods.grpo import GRPO
 from lightning_vlm.models.vlm import VLM
 
-CAP = 1.2
+CAP, FLOOR = 1.2, 0.8  # vllm_importance_sampling_clip_max and _clip_min
 G = 4
 
 
@@ -56,7 +56,7 @@ def test_importance_weights_follow_the_mode_on_a_real_mismatch(tiny_path, mode):
     before = {n: p.detach().clone() for n, p in vlm.named_parameters()}
     module = GRPO(vlm, optimizer=sgd(), max_grad_norm=None, reward_funcs=[token_reward_fn], num_generations=G,
                   max_completion_length=6, vllm_importance_sampling_mode=mode,
-                  vllm_importance_sampling_cap=CAP)  # fmt: skip
+                  vllm_importance_sampling_clip_max=CAP, vllm_importance_sampling_clip_min=FLOOR)  # fmt: skip
     sampler = DriftedSampler(path)
     module.generator = sampler
     metrics = {k: v.item() for k, v in fit_steps(module, rows).callback_metrics.items()}
@@ -75,17 +75,17 @@ def test_importance_weights_follow_the_mode_on_a_real_mismatch(tiny_path, mode):
         log_rho, units = log_ratio, mask.bool()
     else:  # the whole completion's likelihood ratio: the product of its token ratios
         log_rho, units = log_ratio.sum(-1, keepdim=True), torch.ones(len(mask), 1, dtype=torch.bool)
-    over = log_rho > math.log(CAP)
+    over = (log_rho > math.log(CAP)) | (log_rho < math.log(FLOOR))
     rho = log_rho.exp()
-    weight = torch.where(
-        over, torch.full_like(rho, CAP) if kind == "truncate" else torch.zeros_like(rho), rho
-    )
+    weight = rho.clamp(FLOOR, CAP) if kind == "truncate" else torch.where(over, torch.zeros_like(rho), rho)
     weight = weight.expand_as(mask) * mask
 
     # A real mismatch: the drifted sampler is tens of percent off per token, and some (not all) are capped.
     assert metrics["train/sampler_logp_diff/max"] > 0.3
     capped = over[units].float().mean().item()
     assert 0.0 < capped < 1.0
+    # both bounds act
+    assert (log_rho < math.log(FLOOR))[units].any() and (log_rho > math.log(CAP))[units].any()
     assert metrics["train/is_ratio/capped_frac"] == pytest.approx(capped)
     assert metrics["train/is_ratio/max"] == pytest.approx(rho[units].max().item(), rel=1e-4)
     assert metrics["train/is_ratio/mean"] == pytest.approx(rho[units].mean().item(), rel=1e-4)

@@ -2,11 +2,12 @@
 
 vLLM samples with its own kernels (and often another precision), so its log-probs differ from
 the trainer's even at identical weights; the policy gradient is then off-policy. The correction
-reweights the loss by ρ = π_trainer(y) / π_sampler(y) = exp(old_logps - sampler_logps), capped:
-"truncate" is truncated IS, w = min(ρ, C) (TIS, Yao et al. 2025, "Your Efficient RL Framework
-Secretly Brings You Off-Policy RL Training"); "mask" is masked IS, w = ρ if ρ ≤ C else 0 (MIS,
-Liu et al. 2025, "When Speed Kills Stability"), which drops the worst-mismatched samples instead
-of keeping them at weight C. TRL's ``vllm_importance_sampling_mode`` strings ("token_truncate",
+reweights the loss by ρ = π_trainer(y) / π_sampler(y) = exp(old_logps - sampler_logps), bounded to
+[C_min, C_max] (TRL's ``vllm_importance_sampling_clip_min`` / ``_clip_max``; C_min unset by default):
+"truncate" is truncated IS, w = clamp(ρ, C_min, C_max) (TIS, Yao et al. 2025, "Your Efficient RL
+Framework Secretly Brings You Off-Policy RL Training"); "mask" is masked IS, w = ρ inside the bounds
+else 0 (MIS, Liu et al. 2025, "When Speed Kills Stability"), which drops the worst-mismatched samples
+instead of keeping them at a bound. TRL's ``vllm_importance_sampling_mode`` strings ("token_truncate",
 "sequence_mask", ...) map to (level, mode) through ``split_trl_mode``.
 """
 
@@ -32,31 +33,48 @@ def split_trl_mode(trl_mode: str) -> tuple[Level, Mode]:
     return level, mode  # type: ignore[return-value]
 
 
+def check_clip_bounds(clip_min: float | None, clip_max: float | None) -> None:
+    """Refuses bounds that are no ratio range: a ratio is > 0, so C_max must be > 0 and C_min ≥ 0."""
+    if clip_max is not None and clip_max <= 0:
+        raise ValueError(f"vllm_importance_sampling_clip_max must be > 0 or null, got {clip_max}")
+    if clip_min is not None and clip_min < 0:
+        raise ValueError(f"vllm_importance_sampling_clip_min must be >= 0 or null, got {clip_min}")
+    if clip_min is not None and clip_max is not None and clip_min > clip_max:
+        raise ValueError(
+            f"vllm_importance_sampling_clip_min ({clip_min}) is above vllm_importance_sampling_clip_max "
+            f"({clip_max}): no ratio would be kept as it is"
+        )
+
+
 def rollout_correction(
     old_logps: torch.Tensor,
     sampler_logps: torch.Tensor,
     mask: torch.Tensor,
     level: Level = "token",
     mode: Mode = "truncate",
-    cap: float = 3.0,
+    clip_max: float | None = 3.0,
+    clip_min: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Capped IS weights [N, T] (detached, 0 on padding) for trainer ``old_logps`` vs ``sampler_logps``.
+    """Bounded IS weights [N, T] (detached, 0 on padding) for trainer ``old_logps`` vs ``sampler_logps``;
+    a bound that is None (or C_min 0) leaves that side open.
 
     "token": ρ_t = exp(old_t - sampler_t), one weight per token. "sequence": ρ_i =
     exp(Σ_t (old_t - sampler_t)), the product of token ratios, i.e. the exact likelihood ratio of
     the whole sampled completion, because the sample is drawn per sequence; a length-normalised
     (GSPO-style geometric mean) ratio would be a biased correction and would hide a long sequence's
     accumulated drift. Every token of sequence i carries ρ_i. Metrics, over tokens or sequences:
-    ratio mean/min/max before capping (NaN without a completion token: there is nothing to describe),
-    "is_ratio/capped_frac" (truncated or masked), and the k3 estimate of KL(π_sampler‖π_trainer) per
+    ratio mean/min/max before bounding (NaN without a completion token: there is nothing to describe),
+    "is_ratio/capped_frac" (outside the bounds: truncated or masked), and the k3 estimate of KL(π_sampler‖π_trainer) per
     token (samples come from the sampler).
     """
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if cap <= 0:
-        raise ValueError(f"cap must be > 0, got {cap}")
+    check_clip_bounds(clip_min, clip_max)
+    # In log space: a sequence's summed log-ratio easily exceeds exp's float32 range.
+    low = math.log(clip_min) if clip_min else -math.inf
+    high = math.log(clip_max) if clip_max is not None else math.inf
     with torch.no_grad():
         m = mask.to(old_logps.dtype)
         token_log_ratio = (old_logps - sampler_logps).detach() * m
@@ -66,12 +84,10 @@ def rollout_correction(
         else:
             log_w = token_log_ratio.sum(-1, keepdim=True)
             units = mask.bool().any(-1, keepdim=True)
-        # Work in log space: a sequence's summed log-ratio easily exceeds exp's float32 range.
-        over = log_w > math.log(cap)
-        if mode == "truncate":
-            w = torch.exp(torch.clamp(log_w, max=math.log(cap)))
-        else:
-            w = torch.where(over, torch.zeros_like(log_w), torch.exp(torch.clamp(log_w, max=math.log(cap))))
+        outside = (log_w > high) | (log_w < low)
+        w = torch.exp(torch.clamp(log_w, min=low, max=high))
+        if mode == "mask":
+            w = torch.where(outside, torch.zeros_like(w), w)
         weights = w.expand_as(m) * m
 
         ratio = torch.exp(log_w)[units]  # may be inf for a wildly off sequence: logged as such
@@ -83,7 +99,7 @@ def rollout_correction(
             "is_ratio/mean": nan if empty else ratio.mean(),
             "is_ratio/min": nan if empty else ratio.min(),
             "is_ratio/max": nan if empty else ratio.max(),
-            "is_ratio/capped_frac": (over & units).sum() / n_units,  # truncated or masked, by mode
+            "is_ratio/capped_frac": (outside & units).sum() / n_units,  # truncated or masked, by mode
             "sampler_kl": (k3 * m).sum() / m.sum().clamp(min=1.0),
             "sampler_logp_diff/max": (token_log_ratio.abs()).max() if m.numel() else zero,
         }

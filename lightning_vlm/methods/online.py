@@ -35,7 +35,7 @@ from torchmetrics import MeanMetric
 
 from lightning_vlm.generation.base import Generator, SamplingOptions, SamplingSettings, seeded
 from lightning_vlm.generation.hf import HFGenerator
-from lightning_vlm.losses.importance import rollout_correction, split_trl_mode
+from lightning_vlm.losses.importance import check_clip_bounds, rollout_correction, split_trl_mode
 from lightning_vlm.methods.common import (
     clip_gradients,
     configure_optimizers,
@@ -53,12 +53,7 @@ from lightning_vlm.methods.online_metrics import (
     step_value,
 )
 from lightning_vlm.methods.online_sampling import RolloutSampling
-from lightning_vlm.methods.rollout_buffer import (
-    RolloutBatch,
-    Step,
-    check_rollout_counts,
-    global_counts,
-)
+from lightning_vlm.methods.rollout_buffer import RolloutBatch, Step, check_rollout_counts, global_counts
 from lightning_vlm.methods.step_layout import rank_chunks
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
@@ -100,7 +95,8 @@ class OnlineRL(RootCalls, RolloutSampling):
         max_grad_norm: float | None = 1.0,
         vllm_importance_sampling_correction: bool = True,
         vllm_importance_sampling_mode: str = "sequence_mask",
-        vllm_importance_sampling_cap: float = 3.0,
+        vllm_importance_sampling_clip_max: float | None = 3.0,
+        vllm_importance_sampling_clip_min: float | None = None,
         val_num_generations: int = 4,
         val_seed: int = 1234,
         seed: int | None = 0,
@@ -121,6 +117,7 @@ class OnlineRL(RootCalls, RolloutSampling):
             )
         check_rollout_counts(num_generations, num_iterations, steps_per_generation, micro_batch_size, beta)
         self.is_level, self.is_mode = split_trl_mode(vllm_importance_sampling_mode)
+        check_clip_bounds(vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max)
         self.vlm, self.sampling = vlm, sampling
         self.dynamic_sampling = DynamicSampling.of(dynamic_sampling)  # type: ignore[arg-type]
         self.completions_generated = 0  # over all ranks, checkpointed (online_sampling)
@@ -198,7 +195,7 @@ class OnlineRL(RootCalls, RolloutSampling):
         if correct:
             batch.is_weights, is_metrics = rollout_correction(
                 batch.old_logps, batch.sampler_logps, batch.completion_mask, self.is_level, self.is_mode,
-                hp.vllm_importance_sampling_cap,
+                hp.vllm_importance_sampling_clip_max, hp.vllm_importance_sampling_clip_min,
             )  # fmt: skip
             pooled = pooled_correction(is_metrics, batch.completion_mask, self.is_level)
             self.log_dict({f"train/{k}": v for k, v in pooled.items()}, batch_size=len(rows))

@@ -33,7 +33,8 @@ class OnlineKwargs(TypedDict, total=False):
     max_grad_norm: float | None
     vllm_importance_sampling_correction: bool
     vllm_importance_sampling_mode: str
-    vllm_importance_sampling_cap: float
+    vllm_importance_sampling_clip_max: float | None
+    vllm_importance_sampling_clip_min: float | None
     val_num_generations: int
     val_seed: int
     seed: int | None
