@@ -87,3 +87,14 @@ def test_a_stop_refused_before_min_steps_does_not_save_every_step(tmp_path, monk
     # written at the end only, where it was written at every step from 2 on.
     assert out["trainer"].global_step == 8
     assert saved == [8]
+
+
+def test_trainer_max_time_as_the_readme_writes_it_stops_fit_and_saves_last(tmp_path):
+    # The README names `trainer.max_time` for a wall-clock budget; it was not in conf/trainer/default.yaml,
+    # so Hydra refused the override ("Key 'max_time' is not in struct").
+    budget = ["trainer.max_time=00:00:00:01", "trainer.max_steps=100000", "trainer.limit_val_batches=0"]
+    _, out = train(compose_train([*COMMON[:-1], *budget], tmp_path))
+    step = out["trainer"].global_step
+    assert 0 < step < 100000
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == step
