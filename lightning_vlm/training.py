@@ -24,6 +24,7 @@ from lightning_vlm.callbacks.resume import BatchCountAfterResume, NextEpochAfter
 from lightning_vlm.callbacks.rng_states import RngStates
 from lightning_vlm.callbacks.run_identity import RunIdentity, check_run_identity, warn_unapplied_optimizer
 from lightning_vlm.callbacks.run_report import RunReport, finish_reports
+from lightning_vlm.callbacks.sigterm import SyncedSigterm, raise_on_sigterm
 from lightning_vlm.callbacks.validated_step import ValidatedStep, validated_final_step
 from lightning_vlm.ckpt_path import checkpoint_entries, checkpoint_to_load, last_checkpoint, restore_errors
 from lightning_vlm.hub_reach import offline_if_unreachable
@@ -81,12 +82,13 @@ def instantiate_loggers(cfg: DictConfig | None, wandb_id: str | None = None) -> 
 def resume_callbacks(loggers: list[Any]) -> list[L.Callback]:
     """Callbacks every run gets, whatever ``callbacks=`` says, so that its checkpoints resume it exactly:
     Lightning's epoch counters repaired after a restart on an epoch's last batch or with another global
-    batch, the random-number states, the method and reference that wrote them, and the W&B run's id."""
+    batch, the random-number states, the method and reference that wrote them, the W&B run's id, and a
+    SIGTERM that stops every rank at the same batch."""
     from lightning.pytorch.loggers import WandbLogger
 
     wandb = any(isinstance(lg, WandbLogger) for lg in loggers)
     return [NextEpochAfterRestart(), BatchCountAfterResume(), RngStates(), ValidatedStep(), RunIdentity(),
-            *([WandbRunId()] if wandb else [])]  # fmt: skip
+            SyncedSigterm(), *([WandbRunId()] if wandb else [])]  # fmt: skip
 
 
 def drop_refused(callbacks: list[Any], trainer_cfg: DictConfig, has_logger: bool) -> list[Any]:
@@ -210,7 +212,7 @@ def _fit(
                 )
             finally:
                 trainer.loggers, trainer.callbacks = loggers, callbacks
-            _raise_on_sigterm(trainer)
+            raise_on_sigterm(trainer)
             initial = {k: float(v) for k, v in results[0].items()}
             log.info("Metrics before training (%s): %s", ckpt_path or "initial weights", initial)
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
@@ -230,7 +232,7 @@ def _fit(
         )
         with sigterm_exits(trainer):
             trainer.validate(module, datamodule=datamodule, verbose=False)
-            _raise_on_sigterm(trainer)
+            raise_on_sigterm(trainer)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
     log.info("Final metrics: %s", metrics)
@@ -283,13 +285,6 @@ def sigterm_exits(trainer: L.Trainer) -> Iterator[None]:
         else:
             log.warning("Stopped by SIGTERM before training (step 0): nothing to resume, run it again")
         raise SystemExit(128 + signal.SIGTERM) from None
-
-
-def _raise_on_sigterm(trainer: L.Trainer) -> None:
-    """A SIGTERM that came during a validation's last batch: Lightning's loop raises only before other
-    batches, and its next fit forgets the signal, so the job would train on until it is killed."""
-    if trainer.received_sigterm:
-        raise SIGTERMException
 
 
 def metric_value(metrics: dict[str, float], name: str | None, warn: bool = True) -> float | None:

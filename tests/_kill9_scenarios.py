@@ -67,13 +67,13 @@ class Kill9(L.Callback):
 
 class SigTerm(L.Callback):
     """Sends SIGTERM to its own process (what a preemption or ``scancel`` does) at the end of the batch
-    that reaches ``at_step`` optimizer steps."""
+    that reaches ``at_step`` optimizer steps; on rank ``rank`` only, when given."""
 
-    def __init__(self, at_step: int) -> None:
-        self.at_step = at_step
+    def __init__(self, at_step: int, rank: int | None = None) -> None:
+        self.at_step, self.rank = at_step, rank
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
-        if trainer.global_step == self.at_step:
+        if trainer.global_step == self.at_step and self.rank in (None, trainer.global_rank):
             os.kill(os.getpid(), signal.SIGTERM)
 
 

@@ -150,9 +150,9 @@ class LastCheckpoint(ModelCheckpoint):
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
-        """On SIGTERM, the state after the last finished batch. Lightning stops at a batch's end when the
-        signal came (every rank together), so that state is whole; other exceptions may strike mid-step
-        and leave the previous ``last.ckpt`` alone."""
+        """On SIGTERM, the state after the last finished batch. Lightning stops at a batch's end, every
+        rank at the same one (``callbacks.sigterm.SyncedSigterm``), so that state is whole; other
+        exceptions may strike mid-step and leave the previous ``last.ckpt`` alone."""
         if isinstance(exception, SIGTERMException):
             self._save_now(trainer)
 

@@ -1,0 +1,73 @@
+"""SIGTERM on several processes: every rank stops at the same batch, so ``last.ckpt`` gets written.
+
+A scheduler (SLURM's preemption, ``scancel``, a time limit) signals every task, but not at the same
+instant, and a rank may get it alone (``kill`` of one process). Lightning 2.6 reacts per rank: its
+handler runs a ``broadcast`` from inside the signal handler, wherever the program was, and its loops
+raise ``SIGTERMException`` at the end of the batch where that rank's flag was set. A rank that got the
+signal one batch before another then ran the checkpoint's collectives against the other's gradient
+all-reduce: measured on 2 DDP processes, the job hung until killed and wrote no ``last.ckpt``.
+
+Here the handler only records the signal (and passes it on to the processes Lightning's own launcher
+started, as Lightning's does). At the end of every training and validation batch the ranks agree, in
+one all-reduce of a flag, whether any of them got it; only then is Lightning's ``received_sigterm`` set,
+on every rank at the same batch, and its loops stop there together (``LastCheckpoint.on_exception``
+saves). One process decides alone, with no collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+log = logging.getLogger(__name__)
+
+
+class SyncedSigterm(L.Callback):
+    """Replaces Lightning's SIGTERM notifier with one that only records the signal, and turns it into
+    Lightning's stop at the end of the first batch where every rank has agreed that one got it."""
+
+    def __init__(self) -> None:
+        self.received = False  # this rank's signal, not yet agreed on
+        self._trainer: L.Trainer | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Runs before Lightning registers its handlers in the same run (Trainer._run), which look the
+        # notifier up on the connector: an attribute set here replaces it for this and later runs.
+        self._trainer = trainer
+        trainer._signal_connector._sigterm_notifier_fn = self._notify  # type: ignore[method-assign]
+
+    def _notify(self, signum: int, frame: Any) -> None:
+        trainer = self._trainer
+        assert trainer is not None
+        log.info(
+            "[rank %d] Received SIGTERM: stopping at the end of the batch in progress", trainer.global_rank
+        )
+        launcher = trainer.strategy.launcher
+        if not self.received and launcher is not None:
+            launcher.kill(signum)  # the ranks Lightning's launcher started (torchrun and SLURM signal theirs)
+        self.received = True
+
+    def agreed(self, trainer: L.Trainer) -> bool:
+        """Whether any rank got SIGTERM (a collective: every rank calls it at the same point); sets
+        Lightning's ``received_sigterm`` on every rank when one did."""
+        if trainer.strategy.reduce_boolean_decision(self.received, all=False):
+            trainer._signal_connector.received_sigterm = True
+        return trainer.received_sigterm
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.agreed(trainer)
+
+    def on_validation_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.agreed(trainer)
+
+
+def raise_on_sigterm(trainer: L.Trainer) -> None:
+    """After a validation outside fit (before it, or the final one): a SIGTERM any rank got during it
+    ends the job on every rank. Lightning's validation loop raises only before other batches, and its next
+    fit forgets the signal, so the job would train on until it is killed."""
+    synced = [c for c in trainer.callbacks if isinstance(c, SyncedSigterm)]
+    if synced[0].agreed(trainer) if synced else trainer.received_sigterm:
+        raise SIGTERMException

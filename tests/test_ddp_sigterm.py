@@ -1,0 +1,36 @@
+"""SIGTERM on two processes, for real (torchrun, gloo): a signal that reaches one rank stops both at the
+same batch, and ``last.ckpt`` holds that step. A scheduler signals every task, but not at the same
+instant; Lightning 2.6 stopped each rank where its own signal came, so a rank that got it one batch
+earlier ran the checkpoint's collectives against the other's gradient all-reduce: the job hung until
+killed and wrote no ``last.ckpt`` (``callbacks/sigterm.py``). The one-process save and its bitwise
+resume are ``test_sigterm_checkpoint.py``'s."""
+
+from __future__ import annotations
+
+import re
+import signal
+
+import pytest
+import torch
+from ddp_helpers import torchrun
+
+from helpers import ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.ddp]
+ARGS = ["method=sft", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "logger=none",
+        "callbacks=model_checkpoint", "~callbacks.model_checkpoint", "trainer.limit_val_batches=0",
+        "trainer.enable_progress_bar=false", "data.batch_size=2", "data.synthetic.num_train=32",
+        "data.synthetic.num_val=4", "seed=0", "trainer.max_steps=6",
+        "callbacks.last_checkpoint.every_n_train_steps=1000"]  # fmt: skip
+
+
+def test_sigterm_on_one_rank_stops_both_at_that_step_and_saves_it(tmp_path):
+    term = ["+callbacks.term._target_=_kill9_scenarios.SigTerm", "+callbacks.term.at_step=3",
+            "+callbacks.term.rank=1"]  # fmt: skip
+    proc = torchrun(ROOT / "train.py", [*ARGS, *term, f"hydra.run.dir={tmp_path}"], timeout=300)
+    assert proc.returncode != -9, f"hung: {proc.stderr[-3000:]}"
+    # Rank 1 exits 143 (SIGTERM's code); torchrun then ends rank 0 with SIGTERM if it is still tearing down.
+    codes = {int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)}
+    assert codes and codes <= {128 + signal.SIGTERM, -signal.SIGTERM}, proc.stderr[-3000:]
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == 3
