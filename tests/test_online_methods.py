@@ -347,3 +347,17 @@ def test_sampler_logprobs_drive_the_importance_correction_when_the_sampler_is_no
     module = GRPO(vlm, optimizer=sgd(1e-3), num_generations=2, max_completion_length=4)
     trainer = fit_steps(module, rows)
     assert "train/is_ratio/mean" not in trainer.callback_metrics
+
+
+def test_ratio_extremes_of_a_generation_with_no_active_token_are_nan_not_zero(tiny_path, rows):
+    # Every completion truncated and masked (mask_truncated_completions): no ratio to describe. The
+    # extremes were logged as 0, which reads as a ratio that collapsed.
+    vlm = VLM(tiny_path("qwen2_5_vl"))
+    module = GRPO(vlm, optimizer=sgd(1e-3), reward_funcs=[token_reward_fn], num_generations=2,
+                  max_completion_length=4, mask_truncated_completions=True)  # fmt: skip
+    rollouts = sample_rollouts(vlm, rows, 2, max_new_tokens=4)
+    rollouts.truncated = [True] * len(rollouts.truncated)
+    module.generator = FixedGenerator(rollouts)
+    metrics = fit_steps(module, rows, steps=1).callback_metrics
+    for name in ("train/ratio/min", "train/ratio/max"):
+        assert torch.isnan(metrics[name]), (name, metrics[name])

@@ -108,32 +108,38 @@ def pooled_correction(
 
 def step_value(name: str, values: list[torch.Tensor]) -> torch.Tensor:
     """A statistic over a generation's optimizer steps: the extreme of its micro-batches' values
-    for ``/min`` and ``/max`` names (NaN values, from micro-batches with nothing to describe, skipped; 0
-    if all are), else the mean of its per-step values (one per step) over the steps that had something
+    for ``/min`` and ``/max`` names (NaN values, from micro-batches with nothing to describe, skipped; NaN
+    if all are: a 0 would read as a ratio that collapsed), else the mean of its per-step values (one per step) over the steps that had something
     to describe (a step of Online DPO ties gives NaN: left out, not averaged in as 0; NaN if none had)."""
     stacked = torch.stack(values)
     if not name.endswith(EXTREMES):
         described = ~stacked.isnan()
         return stacked[described].sum() / described.sum()
-    stacked = stacked[~stacked.isnan()]
-    if not stacked.numel():
-        return torch.zeros((), device=stacked.device)
-    return stacked.min() if name.endswith("/min") else stacked.max()
+    described = stacked[~stacked.isnan()]
+    if not described.numel():
+        return torch.full((), math.nan, device=stacked.device)
+    return described.min() if name.endswith("/min") else described.max()
 
 
 def log_synced(module: L.LightningModule, values: dict[str, torch.Tensor], batch_size: int) -> None:
-    """Log the mean over ranks of each value (the min / max for names ending in ``/min`` / ``/max``).
-
-    Every rank must log the same names in the same order (each is a collective under DDP).
+    """Log the mean over ranks of each value, and for names ending in ``/min`` / ``/max`` the extreme over
+    the ranks that had something to describe (NaN where none had: a reduce would take a rank's NaN as the
+    extreme). Every rank must call it with the same names in the same order (collectives under DDP).
     """
-    for reduce in ("min", "max", "mean"):
-        part = {
-            # on the module's device: NCCL cannot reduce a CPU tensor
-            k: v.to(module.device) for k, v in values.items() if (k.endswith(f"/{reduce}") if reduce != "mean"
-                                                                  else not k.endswith(("/min", "/max")))
-        }  # fmt: skip
-        if part:
-            module.log_dict(part, batch_size=batch_size, sync_dist=True, reduce_fx=reduce)
+    # on the module's device: NCCL cannot reduce a CPU tensor
+    means = {k: v.to(module.device) for k, v in values.items() if not k.endswith(EXTREMES)}
+    if means:
+        module.log_dict(means, batch_size=batch_size, sync_dist=True, reduce_fx="mean")
+    names = [k for k in values if k.endswith(EXTREMES)]
+    if not names:
+        return
+    ranks = gather_cat(torch.stack([values[k].float().to(module.device) for k in names]).unsqueeze(0))
+    for i, name in enumerate(names):
+        column = ranks[:, i][~ranks[:, i].isnan()]
+        low = name.endswith("/min")
+        value = (column.min() if low else column.max()) if column.numel() else ranks.new_full((), math.nan)
+        # the same on every rank already: no sync
+        module.log(name, value, batch_size=batch_size, reduce_fx="min" if low else "max")
 
 
 class MissingRewardWarning:
