@@ -104,7 +104,6 @@ def test_split_trl_mode_and_errors():
         ("token", "mask", 0.8, 3.0, [[2.0, 0.0, 0.0], [1.5, 1.0, 0.0]], 2 / 5),
         # no upper bound: TRL's clip_max=None, "strictly mask ratios below C_min"
         ("token", "mask", 1.2, None, [[2.0, 0.0, 4.0], [1.5, 0.0, 0.0]], 2 / 5),
-        ("token", "truncate", None, None, [[2.0, 0.5, 4.0], [1.5, 1.0, 0.0]], 0.0),
         ("sequence", "truncate", 2.0, 3.0, [[3.0, 3.0, 3.0], [2.0, 2.0, 0.0]], 1.0),
         ("sequence", "mask", 2.0, 5.0, [[4.0, 4.0, 4.0], [0.0, 0.0, 0.0]], 1 / 2),
         # C_min 0 is no bound, as in TRL (a ratio is never below 0)
@@ -121,8 +120,27 @@ def test_clip_min_and_clip_max_bound_the_ratio_as_trl_does(
 
 @pytest.mark.parametrize(
     ("clip_min", "clip_max", "match"),
-    [(None, 0.0, "clip_max must be > 0"), (-0.1, 3.0, "clip_min must be >= 0"), (4.0, 3.0, "is above")],
+    [
+        (None, 0.0, "clip_max must be > 0"),
+        (-0.1, 3.0, "clip_min must be >= 0"),
+        (4.0, 3.0, "must be below"),
+        (3.0, 3.0, "must be below"),
+    ],  # fmt: skip
 )
 def test_bounds_that_are_no_ratio_range_are_refused(clip_min, clip_max, match):
     with pytest.raises(ValueError, match=match):
         rollout_correction(OLD, SAMPLER, MASK, "token", "mask", clip_max=clip_max, clip_min=clip_min)
+
+
+def test_a_truncation_without_either_bound_is_refused_as_trl_does():
+    with pytest.raises(ValueError, match="needs vllm_importance_sampling_clip_min or"):
+        rollout_correction(OLD, SAMPLER, MASK, "token", "truncate", clip_max=None, clip_min=None)
+    w, _ = rollout_correction(OLD, SAMPLER, MASK, "token", "mask", clip_max=None, clip_min=None)
+    close(w, [[2.0, 0.5, 4.0], [1.5, 1.0, 0.0]])  # masking with no bound masks nothing
+
+
+def test_an_open_upper_bound_keeps_weights_finite_and_padding_zero():
+    # Σ log-ratio = 100 over 3 tokens of 4: exp overflows float32; inf · 0 made the padding NaN.
+    old, mask = torch.ones(1, 4) * 100 / 3, torch.tensor([[1, 1, 1, 0]])
+    w, _ = rollout_correction(old, torch.zeros(1, 4), mask, "sequence", "mask", clip_max=None, clip_min=0.5)
+    close(w, [[math.exp(20.0)] * 3 + [0.0]])

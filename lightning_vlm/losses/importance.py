@@ -21,6 +21,7 @@ import torch
 Level = Literal["token", "sequence"]
 Mode = Literal["truncate", "mask"]
 LEVELS: tuple[str, ...] = ("token", "sequence")
+_LOG_W_MAX = 20.0  # the largest log-weight kept when C_max is open: e^20 ≈ 4.9e8, finite in float32
 MODES: tuple[str, ...] = ("truncate", "mask")
 
 
@@ -33,16 +34,22 @@ def split_trl_mode(trl_mode: str) -> tuple[Level, Mode]:
     return level, mode  # type: ignore[return-value]
 
 
-def check_clip_bounds(clip_min: float | None, clip_max: float | None) -> None:
-    """Refuses bounds that are no ratio range: a ratio is > 0, so C_max must be > 0 and C_min ≥ 0."""
+def check_clip_bounds(clip_min: float | None, clip_max: float | None, mode: Mode = "mask") -> None:
+    """Refuses bounds that are no ratio range (a ratio is > 0, so C_max must be > 0 and C_min ≥ 0), and,
+    as TRL does, C_min ≥ C_max and a truncation with neither bound."""
+    if mode == "truncate" and clip_min is None and clip_max is None:
+        raise ValueError(
+            "a *_truncate vllm_importance_sampling_mode needs vllm_importance_sampling_clip_min or "
+            "vllm_importance_sampling_clip_max (both are null)"
+        )
     if clip_max is not None and clip_max <= 0:
         raise ValueError(f"vllm_importance_sampling_clip_max must be > 0 or null, got {clip_max}")
     if clip_min is not None and clip_min < 0:
         raise ValueError(f"vllm_importance_sampling_clip_min must be >= 0 or null, got {clip_min}")
-    if clip_min is not None and clip_max is not None and clip_min > clip_max:
+    if clip_min is not None and clip_max is not None and clip_min >= clip_max:
         raise ValueError(
-            f"vllm_importance_sampling_clip_min ({clip_min}) is above vllm_importance_sampling_clip_max "
-            f"({clip_max}): no ratio would be kept as it is"
+            f"vllm_importance_sampling_clip_min ({clip_min}) must be below vllm_importance_sampling_clip_max "
+            f"({clip_max})"
         )
 
 
@@ -56,7 +63,8 @@ def rollout_correction(
     clip_min: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Bounded IS weights [N, T] (detached, 0 on padding) for trainer ``old_logps`` vs ``sampler_logps``;
-    a bound that is None (or C_min 0) leaves that side open.
+    a bound that is None (or C_min 0) leaves that side open. Weights stop at e^20 whatever C_max, where a
+    sequence's summed log-ratio would overflow exp to inf and padding's inf·0 to NaN (TRL's is inf).
 
     "token": ρ_t = exp(old_t - sampler_t), one weight per token. "sequence": ρ_i =
     exp(Σ_t (old_t - sampler_t)), the product of token ratios, i.e. the exact likelihood ratio of
@@ -71,10 +79,11 @@ def rollout_correction(
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    check_clip_bounds(clip_min, clip_max)
+    check_clip_bounds(clip_min, clip_max, mode)
     # In log space: a sequence's summed log-ratio easily exceeds exp's float32 range.
     low = math.log(clip_min) if clip_min else -math.inf
     high = math.log(clip_max) if clip_max is not None else math.inf
+    finite = min(high, _LOG_W_MAX)
     with torch.no_grad():
         m = mask.to(old_logps.dtype)
         token_log_ratio = (old_logps - sampler_logps).detach() * m
@@ -85,10 +94,10 @@ def rollout_correction(
             log_w = token_log_ratio.sum(-1, keepdim=True)
             units = mask.bool().any(-1, keepdim=True)
         outside = (log_w > high) | (log_w < low)
-        w = torch.exp(torch.clamp(log_w, min=low, max=high))
+        w = torch.exp(torch.clamp(log_w, min=low, max=finite))
         if mode == "mask":
             w = torch.where(outside, torch.zeros_like(w), w)
-        weights = w.expand_as(m) * m
+        weights = torch.where(mask.bool(), w.expand_as(m), torch.zeros_like(m))
 
         ratio = torch.exp(log_w)[units]  # may be inf for a wildly off sequence: logged as such
         n_units = units.sum().clamp(min=1)

@@ -117,7 +117,7 @@ class OnlineRL(RootCalls, RolloutSampling):
             )
         check_rollout_counts(num_generations, num_iterations, steps_per_generation, micro_batch_size, beta)
         self.is_level, self.is_mode = split_trl_mode(vllm_importance_sampling_mode)
-        check_clip_bounds(vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max)
+        check_clip_bounds(vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max, self.is_mode)
         self.vlm, self.sampling = vlm, sampling
         self.dynamic_sampling = DynamicSampling.of(dynamic_sampling)  # type: ignore[arg-type]
         self.completions_generated = 0  # over all ranks, checkpointed (online_sampling)
