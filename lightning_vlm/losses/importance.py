@@ -21,8 +21,8 @@ import torch
 Level = Literal["token", "sequence"]
 Mode = Literal["truncate", "mask"]
 LEVELS: tuple[str, ...] = ("token", "sequence")
-_LOG_W_MAX = 20.0  # the largest log-weight kept when C_max is open: e^20 ≈ 4.9e8, finite in float32
 MODES: tuple[str, ...] = ("truncate", "mask")
+_LOG_W_MAX = 20.0  # the largest log-weight kept, whatever C_max: e^20 ≈ 4.9e8, finite in float32
 
 
 def split_trl_mode(trl_mode: str) -> tuple[Level, Mode]:
@@ -72,8 +72,8 @@ def rollout_correction(
     (GSPO-style geometric mean) ratio would be a biased correction and would hide a long sequence's
     accumulated drift. Every token of sequence i carries ρ_i. Metrics, over tokens or sequences:
     ratio mean/min/max before bounding (NaN without a completion token: there is nothing to describe),
-    "is_ratio/capped_frac" (outside the bounds: truncated or masked), and the k3 estimate of KL(π_sampler‖π_trainer) per
-    token (samples come from the sampler).
+    "is_ratio/capped_frac" (outside the bounds: truncated or masked), and the k3 estimate of
+    KL(π_sampler‖π_trainer) per token (samples come from the sampler).
     """
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}")

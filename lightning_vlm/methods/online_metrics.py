@@ -109,8 +109,9 @@ def pooled_correction(
 def step_value(name: str, values: list[torch.Tensor]) -> torch.Tensor:
     """A statistic over a generation's optimizer steps: the extreme of its micro-batches' values
     for ``/min`` and ``/max`` names (NaN values, from micro-batches with nothing to describe, skipped; NaN
-    if all are: a 0 would read as a ratio that collapsed), else the mean of its per-step values (one per step) over the steps that had something
-    to describe (a step of Online DPO ties gives NaN: left out, not averaged in as 0; NaN if none had)."""
+    if all are: a 0 would read as a ratio that collapsed), else the mean of its per-step values (one per
+    step) over the steps that had something to describe (a step of Online DPO ties gives NaN: left out,
+    not averaged in as 0; NaN if none had)."""
     stacked = torch.stack(values)
     if not name.endswith(EXTREMES):
         described = ~stacked.isnan()
