@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 from pathlib import Path
 from typing import Any
 
 import hydra
 import lightning as L
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_vlm.callbacks.run_identity import check_run_identity
+from lightning_vlm.callbacks.sigterm import SyncedSigterm
 from lightning_vlm.ckpt_path import checkpoint_entries, checkpoint_to_load, restore_errors
 from lightning_vlm.data.sources import plain
 from lightning_vlm.loggers import ending_runs, start_runs
@@ -93,6 +96,7 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         callbacks = [
             *drop_refused(instantiate_group(cfg.get("callbacks")), cfg.trainer, bool(loggers)),
             counter,
+            SyncedSigterm(),  # every rank stops at the same batch (a skewed signal hung Lightning's ranks)
         ]
         trainer: L.Trainer = hydra.utils.instantiate(
             cfg.trainer, callbacks=callbacks, logger=loggers or False
@@ -113,9 +117,13 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         if ckpt_path is not None:
             check_held_out_rows(ckpt_path, datamodule.hparams)
         with restore_errors(ckpt_path, module):
-            results = trainer.validate(
-                module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False
-            )
+            try:
+                results = trainer.validate(
+                    module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False
+                )
+            except SIGTERMException:  # a SystemExit without a code: the job exited 0, as if done
+                log.warning("Stopped by SIGTERM during the evaluation: no report written; run it again")
+                raise SystemExit(128 + signal.SIGTERM) from None
         rows = counter.total(trainer)
         if not results or rows == 0:
             raise ValueError(

@@ -303,3 +303,18 @@ def test_the_final_metrics_are_those_of_the_final_weights(schedule, tmp_path):
     metrics, _ = train(compose_train(overrides, tmp_path / "run"))
     exported = _evaluate([f"model.model_name_or_path={tmp_path / 'hf'}"], tmp_path / "eval")
     _assert_same(_val(metrics), exported["metrics"])
+
+
+@pytest.mark.slow  # a real eval.py process
+def test_eval_py_stopped_by_sigterm_exits_143_without_a_report(tmp_path):
+    # Lightning ends with a SystemExit without a code: the job exited 0, as if its scores were written.
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    run = tmp_path / "e"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "eval.py"), "method=sft", *COMMON, "data.val_batch_size=2",
+         "+callbacks.term._target_=_kill9_scenarios.SigTermInValidation", f"hydra.run.dir={run}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert "Stopped by SIGTERM during the evaluation" in proc.stdout + proc.stderr
+    assert not (run / "eval.json").exists()
