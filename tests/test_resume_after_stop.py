@@ -98,36 +98,3 @@ def test_trainer_max_time_as_the_readme_writes_it_stops_fit_and_saves_last(tmp_p
     assert 0 < step < 100000
     saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert saved["global_step"] == step
-
-
-VALIDATION_BATCHES: list[int] = []  # global steps at which fit started a validation batch
-
-
-class CountValidationBatches(L.Callback):
-    """Records the global step of every validation batch fit starts (in ``VALIDATION_BATCHES``)."""
-
-    def on_validation_batch_start(self, trainer: L.Trainer, *args) -> None:
-        VALIDATION_BATCHES.append(trainer.global_step)
-
-
-def test_sigterm_at_a_batch_a_validation_follows_saves_before_validating(tmp_path):
-    # Lightning ran a validation batch (for online methods, generations) before it stopped, while a
-    # scheduler's grace period ran; the state saved is the same (that batch trained, the validation skipped).
-    VALIDATION_BATCHES.clear()
-    common = [*COMMON[:-1], "trainer.max_steps=6", "trainer.val_check_interval=3"]
-    term = ["+callbacks.term._target_=_kill9_scenarios.SigTerm", "+callbacks.term.at_step=3",
-            "+callbacks.count._target_=test_resume_after_stop.CountValidationBatches"]  # fmt: skip
-    with pytest.raises(SystemExit) as stopped:
-        train(compose_train([*common, *term], tmp_path / "stopped"))
-    assert stopped.value.code == 143
-    assert VALIDATION_BATCHES == []
-    last = tmp_path / "stopped" / "checkpoints" / "last.ckpt"
-    assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == 3
-    # The resume trains on to the straight run's weights; step 3's validation stays skipped, as with a
-    # SIGTERM during it (callbacks/last_checkpoint.py).
-    _, straight = train(compose_train(common, tmp_path / "straight"))
-    _, resumed = train(compose_train([*common, term[-1], f"ckpt_path={last}"], tmp_path / "resumed"))
-    assert VALIDATION_BATCHES == [6]
-    a, b = _weights(straight), _weights(resumed)
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -20,7 +20,6 @@ import logging
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 log = logging.getLogger(__name__)
@@ -63,20 +62,6 @@ class SyncedSigterm(L.Callback):
 
     def on_validation_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.agreed(trainer)
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # after the last batch's check: fit then stops right after this validation, not a batch later
-        self.agreed(trainer)
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.agreed(trainer)  # Lightning checks the flag once the epoch ends
-
-    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # A stop agreed at the batch this validation follows: Lightning would run a validation batch (for
-        # online methods, generations) before stopping, while a scheduler's grace period runs. Stopping
-        # here is the state a stop during that batch saves: the batch trained, the validation skipped.
-        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and trainer.received_sigterm:
-            raise SIGTERMException
 
 
 def raise_on_sigterm(trainer: L.Trainer) -> None:
