@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 from pathlib import Path
 from typing import Any
 
 import hydra
 import lightning as L
 import torch
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_vlm.callbacks.run_identity import check_run_identity
@@ -27,7 +25,7 @@ from lightning_vlm.loggers import ending_runs, start_runs
 from lightning_vlm.methods.dpo import DPO
 from lightning_vlm.methods.kto import KTO
 from lightning_vlm.parallel.teardown import shut_down_at_exit
-from lightning_vlm.training import build, drop_refused, instantiate_group
+from lightning_vlm.training import build, drop_refused, instantiate_group, sigterm_exits
 
 log = logging.getLogger(__name__)
 
@@ -116,14 +114,11 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
 
         if ckpt_path is not None:
             check_held_out_rows(ckpt_path, datamodule.hparams)
-        with restore_errors(ckpt_path, module):
-            try:
-                results = trainer.validate(
-                    module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False
-                )
-            except SIGTERMException:  # a SystemExit without a code: the job exited 0, as if done
-                log.warning("Stopped by SIGTERM during the evaluation: no report written; run it again")
-                raise SystemExit(128 + signal.SIGTERM) from None
+        stopped = "Stopped by SIGTERM during the evaluation: no report written; run it again"
+        with restore_errors(ckpt_path, module), sigterm_exits(trainer, stopped):
+            results = trainer.validate(
+                module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False
+            )
         rows = counter.total(trainer)
         if not results or rows == 0:
             raise ValueError(

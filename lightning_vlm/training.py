@@ -272,14 +272,17 @@ def _multirun() -> bool:
 
 
 @contextmanager
-def sigterm_exits(trainer: L.Trainer) -> Iterator[None]:
-    """SIGTERM (a preemption, a time limit) during fit or its validations exits 143. Lightning ends with a
-    SystemExit without a code: the job would exit 0, as if done, and a scheduler would not requeue it.
-    A stop inside fit left last.ckpt at the stopped step (callbacks.last_checkpoint)."""
+def sigterm_exits(trainer: L.Trainer, stopped: str | None = None) -> Iterator[None]:
+    """SIGTERM (a preemption, a time limit) during fit or its validations exits 143, logging ``stopped``
+    (default: what a resume needs). Lightning ends with a SystemExit without a code: the job would exit 0,
+    as if done, and a scheduler would not requeue it. A stop inside fit left last.ckpt at the stopped step
+    (callbacks.last_checkpoint)."""
     try:
         yield
     except SIGTERMException:
-        if trainer.global_step:
+        if stopped:
+            log.warning(stopped)
+        elif trainer.global_step:
             log.warning("Stopped by SIGTERM at step %d; resume with ckpt_path=<run>/checkpoints/last.ckpt",
                         trainer.global_step)  # fmt: skip
         else:
