@@ -77,6 +77,20 @@ class SigTerm(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class ValidationBatches(L.Callback):
+    """Appends the global step of every validation batch fit starts to the file ``path`` (one line each;
+    a stop before a validation leaves it empty)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self.path.touch()
+
+    def on_validation_batch_start(self, trainer: L.Trainer, *args) -> None:
+        if not trainer.sanity_checking:
+            with self.path.open("a") as f:
+                f.write(f"{trainer.global_step}\n")
+
+
 class SigTermInValidation(L.Callback):
     """Sends SIGTERM to its own process at the first validation batch: before fit when
     ``validate_before_fit=true``."""

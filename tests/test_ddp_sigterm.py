@@ -17,16 +17,19 @@ from ddp_helpers import torchrun
 from helpers import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.ddp]
+# A validation follows step 3, the progress bar on: rank 0's bar syncs logged metrics where rank 1 does
+# not, so a collective added at an epoch's or a validation's end hung (the fix's first version).
 ARGS = ["method=sft", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "logger=none",
-        "callbacks=model_checkpoint", "~callbacks.model_checkpoint", "trainer.limit_val_batches=0",
-        "trainer.enable_progress_bar=false", "data.batch_size=2", "data.synthetic.num_train=32",
+        "callbacks=model_checkpoint", "~callbacks.model_checkpoint", "trainer.val_check_interval=3",
+        "trainer.limit_val_batches=1", "data.batch_size=2", "data.synthetic.num_train=32",
         "data.synthetic.num_val=4", "seed=0", "trainer.max_steps=6",
         "callbacks.last_checkpoint.every_n_train_steps=1000"]  # fmt: skip
 
 
 def test_sigterm_on_one_rank_stops_both_at_that_step_and_saves_it(tmp_path):
     term = ["+callbacks.term._target_=_kill9_scenarios.SigTerm", "+callbacks.term.at_step=3",
-            "+callbacks.term.rank=1"]  # fmt: skip
+            "+callbacks.term.rank=1", "+callbacks.count._target_=_kill9_scenarios.ValidationBatches",
+            f"+callbacks.count.path={tmp_path / 'validation_batches.txt'}"]  # fmt: skip
     proc = torchrun(ROOT / "train.py", [*ARGS, *term, f"hydra.run.dir={tmp_path}"], timeout=300)
     assert proc.returncode != -9, f"hung: {proc.stderr[-3000:]}"
     # Rank 1 exits 143 (SIGTERM's code); torchrun then ends rank 0 with SIGTERM if it is still tearing down.
@@ -34,3 +37,6 @@ def test_sigterm_on_one_rank_stops_both_at_that_step_and_saves_it(tmp_path):
     assert codes and codes <= {128 + signal.SIGTERM, -signal.SIGTERM}, proc.stderr[-3000:]
     saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert saved["global_step"] == 3
+    # Both stopped before step 3's validation (Lightning ran one of its batches first, generations for
+    # online methods, inside the scheduler's grace period).
+    assert (tmp_path / "validation_batches.txt").read_text() == ""

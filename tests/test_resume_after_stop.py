@@ -98,3 +98,26 @@ def test_trainer_max_time_as_the_readme_writes_it_stops_fit_and_saves_last(tmp_p
     assert 0 < step < 100000
     saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert saved["global_step"] == step
+
+
+def test_sigterm_at_a_batch_a_validation_follows_saves_before_validating(tmp_path):
+    # Lightning ran a validation batch (for online methods, generations) before it stopped, while a
+    # scheduler's grace period ran; the state saved is the same (that batch trained, the validation skipped).
+    common = [*COMMON, "trainer.val_check_interval=3", "trainer.limit_val_batches=1"]
+    batches = tmp_path / "validation_batches.txt"
+    count = ["+callbacks.count._target_=_kill9_scenarios.ValidationBatches", f"+callbacks.count.path={batches}"]
+    term = ["+callbacks.term._target_=_kill9_scenarios.SigTerm", "+callbacks.term.at_step=3"]
+    with pytest.raises(SystemExit) as stopped:
+        train(compose_train([*common, *count, *term], tmp_path / "stopped"))
+    assert stopped.value.code == 143
+    assert batches.read_text() == ""
+    last = tmp_path / "stopped" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == 3
+    # The resume trains on to the straight run's weights; step 3's validation stays skipped, as after a
+    # SIGTERM during it (callbacks/last_checkpoint.py).
+    _, straight = train(compose_train(common, tmp_path / "straight"))
+    _, resumed = train(compose_train([*common, *count, f"ckpt_path={last}"], tmp_path / "resumed"))
+    assert batches.read_text().split() == ["6"]
+    a, b = _weights(straight), _weights(resumed)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)

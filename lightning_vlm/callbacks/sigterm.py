@@ -20,6 +20,7 @@ import logging
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,15 @@ class SyncedSigterm(L.Callback):
 
     def on_validation_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.agreed(trainer)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A stop agreed at the batch this validation follows: Lightning would run a validation batch (for
+        # online methods, generations) first, while a scheduler's grace period runs. Stopping here saves
+        # what a stop during that batch saves: the batch trained, the validation skipped. No collective:
+        # the flag was agreed, and rank 0's progress bar syncs logged metrics at hooks where other ranks
+        # do not (an all-reduce added at an epoch's or a validation's end hung against it).
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and trainer.received_sigterm:
+            raise SIGTERMException
 
 
 def raise_on_sigterm(trainer: L.Trainer) -> None:
