@@ -105,7 +105,10 @@ def test_sigterm_at_a_batch_a_validation_follows_saves_before_validating(tmp_pat
     # scheduler's grace period ran; the state saved is the same (that batch trained, the validation skipped).
     common = [*COMMON, "trainer.val_check_interval=3", "trainer.limit_val_batches=1"]
     batches = tmp_path / "validation_batches.txt"
-    count = ["+callbacks.count._target_=_kill9_scenarios.ValidationBatches", f"+callbacks.count.path={batches}"]
+    count = [
+        "+callbacks.count._target_=_kill9_scenarios.ValidationBatches",
+        f"+callbacks.count.path={batches}",
+    ]
     term = ["+callbacks.term._target_=_kill9_scenarios.SigTerm", "+callbacks.term.at_step=3"]
     with pytest.raises(SystemExit) as stopped:
         train(compose_train([*common, *count, *term], tmp_path / "stopped"))
