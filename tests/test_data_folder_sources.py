@@ -106,10 +106,40 @@ def test_a_field_changing_type_beside_a_blank_line_loads_as_written(tmp_path):
 def test_a_broken_json_line_still_names_its_line_in_a_folder(tmp_path):
     (tmp_path / "root").mkdir()
     (tmp_path / "root" / "train.jsonl").write_text('{"prompt": "q0", "solution": 1}\n\n{"prompt": "q1",\n')
-    with pytest.raises(SourceError, match="could not load split 'train' of the data files"):
-        sources.load_source(str(tmp_path / "root"), "prompt")
-    with pytest.raises(SourceError, match="line 3, column"):
-        sources.load_source(str(tmp_path / "root" / "train.jsonl"), "prompt")
+    # The folder's error named neither the file nor the line (datasets' "An error occurred while
+    # generating the dataset"): it names both, as for the file given alone.
+    for source in (tmp_path / "root", tmp_path / "root" / "train.jsonl"):
+        with pytest.raises(SourceError, match=r"train\.jsonl: .*line 3, column"):
+            sources.load_source(str(source), "prompt")
+
+
+@pytest.mark.parametrize(
+    "content, problem",
+    [(b"", "empty"), (b"  \n", "only whitespace"), (b'{"prompt": "caf\xe9"}\n', "UTF-8")],
+    ids=["empty", "whitespace", "latin1"],
+)
+def test_a_bad_json_file_in_a_folder_is_named_with_its_problem(tmp_path, content, problem):
+    # A folder gave datasets' words (a bare StopIteration, 'Instruction "train" corresponds to no data!')
+    # or, for a Latin-1 byte, a pyarrow traceback from the first row read; a file alone named the problem.
+    write_rows(tmp_path / "root" / "validation.jsonl", [{"prompt": "q"}], "jsonl")
+    (tmp_path / "root" / "train.jsonl").write_bytes(content)
+    with pytest.raises(SourceError, match=rf"train\.jsonl: .*{problem}"):
+        PromptDataModule(train=str(tmp_path / "root")).setup()
+
+
+def test_a_folder_mixing_file_types_in_a_split_is_refused_naming_the_files_left_out(tmp_path):
+    # datasets reads one file type per folder (the most common) and left the others out: 7 rows in
+    # train.jsonl, train_more.json and train_extra.parquet trained as the parquet's 2, with no warning.
+    folder = tmp_path / "root"
+    write_rows(folder / "train.jsonl", [{"prompt": f"q{i}"} for i in range(3)], "jsonl")
+    write_rows(folder / "train_more.json", [{"prompt": f"q{i}"} for i in range(3, 5)], "jsonl")
+    write_rows(folder / "train_extra.parquet", [{"prompt": f"q{i}"} for i in range(5, 7)], "parquet")
+    with pytest.raises(SourceError, match=r"(?s)split 'train'.*train\.jsonl.*train_more\.json"):
+        PromptDataModule(train=str(folder)).setup()
+    (folder / "train_extra.parquet").unlink()  # one type: every file read
+    dm = PromptDataModule(train=str(folder))
+    dm.setup()
+    assert len(dm.train_dataset) == 5
 
 
 def test_a_folder_datasets_reads_as_an_image_folder_names_the_data_files_it_ignored(tmp_path):

@@ -16,6 +16,8 @@ from lightning_vlm.data.files import (
     data_suffix,
     has_guessed_feature,
     has_json_feature,
+    is_compressed,
+    is_utf8,
     json_problem,
     json_rows_readable,
     load_file,
@@ -33,16 +35,22 @@ def from_folder(folder: Path, subset: str | None, split: str) -> Source:
     file names (``train.jsonl``, ``validation.jsonl``, ...). Relative image paths start beside each
     row's data file, as for a file given alone (``data/train.jsonl`` next to ``data/a.png``)."""
     name = f"{folder} [{split}]"
+    named = _folder_files(folder, subset, split)
+    if named is not None:
+        _check_left_out(folder, subset, named)
+        # datasets reads a non-UTF-8 JSON file without a word, and fails at the first row read
+        _raise_json_problem([f for f in _json_files(named) if not _archive_by_content(f) and not is_utf8(f)])
     try:
         dataset = load_hf_dataset(str(folder), subset, split, folder=True)
     except SourceError:
-        named = _folder_files(folder, subset, split)
-        if named is None or not _json_as_written(named) or any(map(json_problem, _files(named))):
+        if named is None:
+            raise
+        _raise_json_problem(_json_files(named))  # the file and line, not datasets' generic words
+        if not _json_as_written(named):
             raise
         # datasets' JSON reader fails on some files Python's json reads row by row (a field that
         # changes type, beside a blank line): read those as written.
         return _rows_as_written(folder, named, _spelt(split, named), name, None)
-    named = _folder_files(folder, subset, split)
     _check_builder(folder, named)
     as_written = named is not None and _json_as_written(named)
     # JSON text of mixed-type fields, or guessed types: dates, floats (files.has_guessed_feature).
@@ -87,6 +95,57 @@ def _check_builder(folder: Path, named: Mapping[str, list[Path]] | None) -> None
             f"files, e.g. images under a folder named like a split) and ignores its data files ({shown}"
             f"{', ...' if len(ignored) > 3 else ''}); give the data file itself, e.g. data.train={ignored[0]}"
         )
+
+
+def _check_left_out(folder: Path, subset: str | None, named: Mapping[str, list[Path]]) -> None:
+    """Refuse a split whose files are of several data types: datasets reads one type per folder (the
+    most common) and leaves the other files out without a word, so their rows were never trained on."""
+    if subset is not None:  # a dataset card's configs name the files: nothing inferred
+        return
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    try:
+        matched = DataFilesDict.from_patterns(get_data_patterns(str(folder)), base_path=str(folder))
+    except Exception:  # datasets raises many types; the folder's load says the rest
+        return
+    for split, files in named.items():
+        read = {f.resolve() for f in files}
+        left = sorted(
+            Path(f) for f in matched.get(split, [])
+            if data_suffix(Path(f)) in FILE_BUILDERS and Path(f).resolve() not in read
+        )  # fmt: skip
+        if left:
+            types = sorted({data_suffix(f) for f in [*files, *left]})
+            raise SourceError(
+                f"{folder}: split '{split}' has data files of several types ({', '.join(types)}); datasets "
+                f"reads one type per folder, {_names(folder, files)}, and would leave out "
+                f"{_names(folder, left)}: convert them to one type, or give each type a folder of its own"
+            )
+
+
+def _names(folder: Path, files: list[Path]) -> str:
+    return ", ".join(str(f.relative_to(folder)) for f in files[:3]) + (", ..." if len(files) > 3 else "")
+
+
+def _raise_json_problem(files: list[Path]) -> None:
+    """SourceError naming the first of these JSON files that is not loadable and what is wrong there."""
+    for f in files:
+        if (problem := json_problem(f)) is not None:
+            raise SourceError(f"{f}: {problem}")
+
+
+# gzip, bzip2, xz, zstd, zip: datasets opens an archive by its first bytes, whatever its name says
+_ARCHIVE_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"(\xb5/\xfd", b"PK\x03\x04")
+
+
+def _archive_by_content(path: Path) -> bool:
+    """An archive whose name does not say so (``train.jsonl`` holding gzip): datasets reads it."""
+    with path.open("rb") as f:
+        return not is_compressed(path) and f.read(6).startswith(_ARCHIVE_MAGIC)
+
+
+def _json_files(named: Mapping[str, list[Path]]) -> list[Path]:
+    return [f for f in _files(named) if FILE_BUILDERS.get(data_suffix(f)) == "json"]
 
 
 def _folder_files(folder: Path, subset: str | None, split: str) -> dict[str, list[Path]] | None:
