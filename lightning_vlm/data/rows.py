@@ -145,17 +145,16 @@ def _count_images(messages: list[dict]) -> int:
     return sum(b["type"] == "image" for m in messages for b in m["content"])
 
 
-def _place_images(messages: list[dict], plain: list[bool], n: int, *others: list[dict]) -> None:
+def _place_images(messages: list[dict], plain: list[bool], n: int) -> None:
     """Put ``n`` image blocks first in the first user turn (``messages[0]`` without one), if the row
-    has not placed them itself: that turn was a plain string and no message here or in ``others``
-    holds an image block.
+    has not placed them itself: that turn was a plain string and no message holds an image block.
 
     A plain string cannot say where images go; like TRL (which decides per message), they go where a
     chat template takes them without a placeholder. A typed target turn, or an image block anywhere
     (say in a later turn), means the row placed its images, and the count check judges that.
     """
     at = next((i for i, m in enumerate(messages) if m["role"] == "user"), 0)
-    if n and plain[at] and not any(_count_images(m) for m in (messages, *others)):
+    if n and plain[at] and not _count_images(messages):
         messages[at]["content"] = [{"type": "image"} for _ in range(n)] + messages[at]["content"]
 
 
@@ -261,6 +260,17 @@ def _check_answer(at: _Row, column: str, messages: list[dict]) -> None:
         at.fail(column, "no_answer", f"SFT row with {what} (roles: {roles}): it has nothing to train on")
 
 
+def _check_reply(at: _Row, column: str, messages: list[dict]) -> None:
+    """A preference or KTO answer: assistant text. An image in it failed mid-training, at the batch
+    holding the row; an empty one (a missing value written as "") trained on the end-of-turn token."""
+    if any(m["role"] != "assistant" for m in messages):
+        at.fail(column, "wrong_type", f"'{column}' must hold assistant messages only")
+    if _count_images(messages):
+        at.fail(column, "wrong_type", f"images inside '{column}' are not supported; put them in the prompt")
+    if not any(b["text"].strip() for m in messages for b in m["content"] if b["type"] == "text"):
+        at.fail(column, "no_answer", f"'{column}' is an empty answer: it has nothing to train on")
+
+
 def _label(row: Mapping, at: _Row) -> bool:
     """KTO's ``label``: a bool (True: desirable); 0/1 integers are accepted, anything else is an error."""
     value = _require(row, at, "label")
@@ -331,24 +341,20 @@ def normalize_row(
             chosen, _ = _text_or_conversation(chosen_raw, at, "chosen", "assistant")
             rejected, _ = _text_or_conversation(rejected_raw, at, "rejected", "assistant")
         for column, messages in (("chosen", chosen), ("rejected", rejected)):
-            if any(m["role"] != "assistant" for m in messages):
-                at.fail(column, "wrong_type", f"'{column}' must hold assistant messages only")
+            _check_reply(at, column, messages)
         if chosen == rejected:  # no preference: DPO's loss is a constant, KTO's rows contradict each other
             at.fail("chosen", "wrong_type", "'chosen' and 'rejected' are the same answer")
-        _place_images(prompt, plain, len(images), chosen, rejected)
-        in_prompt = _count_images(prompt)
-        _check_count(at, "prompt", in_prompt + _count_images(chosen), len(images))
-        _check_count(at, "prompt", in_prompt + _count_images(rejected), len(images))
+        _place_images(prompt, plain, len(images))
+        _check_count(at, "prompt", _count_images(prompt), len(images))
         out.update(prompt=prompt, chosen=chosen, rejected=rejected)
         used = ("prompt", "chosen", "rejected")
     elif shape == "unpaired":
         prompt, plain = _text_or_conversation(_require(row, at, "prompt"), at, "prompt", "user")
         completion, _ = _text_or_conversation(_require(row, at, "completion"), at, "completion", "assistant")
-        if any(m["role"] != "assistant" for m in completion):
-            at.fail("completion", "wrong_type", "'completion' must hold assistant messages only")
+        _check_reply(at, "completion", completion)
         out["label"] = _label(row, at)
-        _place_images(prompt, plain, len(images), completion)
-        _check_count(at, "prompt", _count_images(prompt) + _count_images(completion), len(images))
+        _place_images(prompt, plain, len(images))
+        _check_count(at, "prompt", _count_images(prompt), len(images))
         out.update(prompt=prompt, completion=completion)
         used = ("prompt", "completion", "label")
     else:

@@ -9,6 +9,7 @@ read lazily, row by row, so images stay on disk (or encoded in Arrow) until a ba
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -108,7 +109,15 @@ def _looks_like_path(spec: str) -> bool:
 def _from_disk(folder: Path, split: str, explicit: bool) -> Source:
     import datasets
 
-    loaded = datasets.load_from_disk(str(folder))
+    try:
+        loaded = datasets.load_from_disk(str(folder))
+    except IndexError:  # datasets saves a dataset of no rows as no files, then fails to load it
+        empty = [s for s in folder.glob("**/state.json") if not json.loads(s.read_text()).get("_data_files")]
+        if not empty:
+            raise
+        raise SourceError(
+            f"{folder}: a saved dataset with no rows ({empty[0]} lists no data files)"
+        ) from None
     if isinstance(loaded, datasets.DatasetDict):
         missing = sorted(split_names(split) - set(loaded))
         if missing:

@@ -79,6 +79,10 @@ class UnpairedView(Sequence):
             while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
                 n += 1
             pair[prompt or "prompt"], chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+        if chosen == rejected:  # one answer would train as desirable and as undesirable
+            theirs = columns["chosen"]
+            detail = f"pair {index // 2}: 'chosen' and 'rejected' are the same answer; KTO would read it as desirable and as undesirable"
+            return BadRow(theirs, "wrong_type", detail)
         desirable = index % 2 == 0
         return {**pair, "completion": chosen if desirable else rejected, "label": desirable}
 
