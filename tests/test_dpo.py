@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -237,3 +238,21 @@ def test_a_prompt_longer_than_max_length_is_named_by_its_question(vlm):
     with pytest.raises(ValueError, match="row 0 of the batch") as err:
         encode_pairs(vlm, rows, max_length=5)
     assert repr(question[:20])[:-1] in str(err.value) and "with 1 image)" in str(err.value)
+
+
+def test_a_max_length_that_cuts_a_pair_to_the_same_tokens_warns(vlm, caplog):
+    # "The shape in the picture is red" / "... blue" cut to their shared words: the pair's DPO loss is
+    # log 2 with no gradient, trained on nothing, without a word (SFT warns for an answer cut away).
+    rows = synthetic_rows("preference", 2, seed=1)
+    for row in rows:
+        for column, colour in (("chosen", "red"), ("rejected", "blue")):
+            text = {"type": "text", "text": f"The shape in the picture is {colour}"}
+            row[column] = [{"role": "assistant", "content": [text]}]
+    prompts = vlm.encode_prompts([r["prompt"] for r in rows], [r["images"] for r in rows])
+    longest = int(prompts["attention_mask"].sum(dim=1).max())
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
+        encode_pairs(vlm, rows, max_length=longest + 20)
+        assert "the same tokens" not in caplog.text
+        encode_pairs(vlm, rows, max_length=longest + 2)
+    cut = f"max_length={longest + 2} cut both answers of 2 pairs of this batch to the same tokens"
+    assert cut in caplog.text

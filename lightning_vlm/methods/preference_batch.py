@@ -9,6 +9,7 @@ vision tower runs once per pair (see ``lightning_vlm.models.vision_cache``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ import torch
 from lightning_vlm.models.encoding import assistant_char_spans, row_summary
 from lightning_vlm.models.image_tokens import repeat_samples
 from lightning_vlm.models.vision_cache import repeated_groups, with_image_groups
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -99,7 +102,22 @@ def _prompts_and_answers(
                 )
             for j in range(k * i, k * i + k):
                 completions[j] = completions[j][:room]
+        if tuple(columns) == ("chosen", "rejected"):
+            _warn_cut_to_one_answer(rows, completions, max_length)
     return prompts, completions
+
+
+def _warn_cut_to_one_answer(rows: list[dict], completions: list[list[int]], max_length: int) -> None:
+    """Says when truncation left a pair's two answers the same tokens: its loss is a constant (DPO's
+    log 2), so it trains on nothing. The rows' answers differ (rows.py refuses the same answer twice)."""
+    same = [i for i in range(len(rows)) if completions[2 * i] == completions[2 * i + 1]]
+    if same:
+        log.warning(
+            "max_length=%d cut both answers of %d pair%s of this batch to the same tokens (e.g. %s): %s on "
+            "nothing. Raise method.max_length, or shorten the prompts or images (model.processor_kwargs)",
+            max_length, len(same), "s" if len(same) > 1 else "", row_summary(rows[same[0]]),
+            "they train" if len(same) > 1 else "it trains",
+        )  # fmt: skip
 
 
 def _blocks(message: dict) -> list[dict]:
