@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import warnings
 from collections.abc import Iterator
@@ -144,6 +145,30 @@ def _has_validation(datamodule: L.LightningDataModule) -> bool:
 
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     """Runs one training job; returns the final logged metrics and the objects it built."""
+    with failure_ends_sweep():
+        return _train(cfg)
+
+
+@contextmanager
+def failure_ends_sweep() -> Iterator[None]:
+    """A job of a sweep on several processes (torchrun, a SLURM step) that fails ends this process, so
+    its launcher ends the others. Hydra records a failed job and starts the next, but a rank that failed
+    alone would start it while the other ranks wait inside the failed job's collectives: the next job's
+    (DDP's parameter broadcast) paired with theirs, and the sweep hung or ran with ranks a job apart."""
+    try:
+        yield
+    except Exception:
+        if not (_multirun() and max(int(os.environ.get(k, "1")) for k in ("WORLD_SIZE", "SLURM_NTASKS")) > 1):
+            raise
+        logging.getLogger(__name__).exception(  # on this rank: the one that failed may not be rank 0
+            "[rank %d] this job failed; on several processes that ends the sweep on every process (the other "
+            "ranks may be inside this job's collectives); summary.json lists the jobs before it",
+            launcher_rank(),
+        )
+        raise SystemExit(1) from None
+
+
+def _train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     shut_down_at_exit()  # before any process group exists (see parallel/teardown.py)
     datamodule, module = build(cfg)
     callbacks = instantiate_group(cfg.get("callbacks"))

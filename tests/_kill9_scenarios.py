@@ -77,6 +77,18 @@ class SigTerm(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class RaiseOnRank(L.Callback):
+    """Raises on rank ``rank`` alone at the end of the batch that reaches ``at_step`` optimizer steps (a
+    reward function failing on that rank's rows, an out-of-memory error)."""
+
+    def __init__(self, at_step: int, rank: int) -> None:
+        self.at_step, self.rank = at_step, rank
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        if trainer.global_step == self.at_step and trainer.global_rank == self.rank:
+            raise RuntimeError(f"boom on rank {self.rank} at step {self.at_step}")
+
+
 class ValidationBatches(L.Callback):
     """Appends the global step of every validation batch fit starts to the file ``path`` (one line each;
     a stop before a validation leaves it empty)."""
