@@ -25,7 +25,7 @@ from lightning_vlm.callbacks.resume import BatchCountAfterResume, NextEpochAfter
 from lightning_vlm.callbacks.rng_states import RngStates
 from lightning_vlm.callbacks.run_identity import RunIdentity, check_run_identity, warn_unapplied_optimizer
 from lightning_vlm.callbacks.run_report import RunReport, finish_reports
-from lightning_vlm.callbacks.sigterm import SyncedSigterm, raise_on_sigterm
+from lightning_vlm.callbacks.sigterm import SyncedSigterm, raise_on_sigterm, requeue_if_asked
 from lightning_vlm.callbacks.validated_step import ValidatedStep, validated_final_step
 from lightning_vlm.ckpt_path import checkpoint_entries, checkpoint_to_load, last_checkpoint, restore_errors
 from lightning_vlm.hub_reach import offline_if_unreachable
@@ -305,11 +305,12 @@ def sigterm_exits(trainer: L.Trainer, stopped: str | None = None) -> Iterator[No
     try:
         yield
     except SIGTERMException:
+        requeued = requeue_if_asked(trainer)  # SLURM's requeue signal: its requeued job resumes
         if stopped:
             log.warning(stopped)
         elif trainer.global_step:
-            log.warning("Stopped by SIGTERM at step %d; resume with ckpt_path=<run>/checkpoints/last.ckpt",
-                        trainer.global_step)  # fmt: skip
+            log.warning("Stopped by %s at step %d; resume with ckpt_path=<run>/checkpoints/last.ckpt",
+                        "SLURM's requeue signal" if requeued else "SIGTERM", trainer.global_step)  # fmt: skip
         else:
             log.warning("Stopped by SIGTERM before training (step 0): nothing to resume, run it again")
         raise SystemExit(128 + signal.SIGTERM) from None

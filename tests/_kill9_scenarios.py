@@ -66,15 +66,16 @@ class Kill9(L.Callback):
 
 
 class SigTerm(L.Callback):
-    """Sends SIGTERM to its own process (what a preemption or ``scancel`` does) at the end of the batch
-    that reaches ``at_step`` optimizer steps; on rank ``rank`` only, when given."""
+    """Sends SIGTERM (or ``signum``: SLURM's requeue signal SIGUSR1) to its own process, as a preemption or
+    ``scancel`` does, at the end of the batch that reaches ``at_step`` optimizer steps; on rank ``rank``
+    only, when given."""
 
-    def __init__(self, at_step: int, rank: int | None = None) -> None:
-        self.at_step, self.rank = at_step, rank
+    def __init__(self, at_step: int, rank: int | None = None, signum: str = "SIGTERM") -> None:
+        self.at_step, self.rank, self.signum = at_step, rank, getattr(signal, signum)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
         if trainer.global_step == self.at_step and self.rank in (None, trainer.global_rank):
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), self.signum)
 
 
 class RaiseOnRank(L.Callback):

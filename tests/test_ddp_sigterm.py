@@ -7,8 +7,12 @@ resume are ``test_sigterm_checkpoint.py``'s."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -40,3 +44,40 @@ def test_sigterm_on_one_rank_stops_both_at_that_step_and_saves_it(tmp_path):
     # Both stopped before step 3's validation (Lightning ran one of its batches first, generations for
     # online methods, inside the scheduler's grace period).
     assert (tmp_path / "validation_batches.txt").read_text() == ""
+
+
+def test_slurms_requeue_signal_on_one_task_stops_both_saves_and_requeues_once(tmp_path):
+    # Two tasks as srun starts them (each its SLURM_PROCID); SIGUSR1 reaches task 1 alone at step 3.
+    # Lightning's auto-requeue handler saved from inside the signal handler on that rank alone, with the
+    # checkpoint's collectives against the other's training, and trained on.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol_calls"
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    term = ["+callbacks.term._target_=_kill9_scenarios.SigTerm", "+callbacks.term.at_step=3",
+            "+callbacks.term.rank=1", "+callbacks.term.signum=SIGUSR1"]  # fmt: skip
+    tasks = []
+    for rank in (0, 1):
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+               "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2",
+               "SLURM_JOB_NAME": "train",
+               "SLURM_JOB_ID": "4242", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+        cmd = [sys.executable, str(ROOT / "train.py"), *ARGS, *term, f"hydra.run.dir={tmp_path / 'run'}"]
+        tasks.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    outputs = []
+    try:
+        for task in tasks:
+            outputs.append(task.communicate(timeout=240)[0])
+    finally:
+        for task in tasks:
+            task.kill()
+    assert [t.returncode for t in tasks] == [128 + signal.SIGTERM] * 2, outputs[-1][-3000:]
+    assert calls.read_text().split() == ["requeue", "4242"]  # rank 0 alone, once
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == 3

@@ -23,8 +23,9 @@ ARGS = ["method=sft", "logger=none", "callbacks=model_checkpoint", "~callbacks.m
 COMPARED = ("state_dict", "optimizer_states", "lr_schedulers", "global_step", "epoch")
 
 
-def _run(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+def _run(run_dir: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           **(env or {})}  # fmt: skip
     cmd = [sys.executable, str(ROOT / "train.py"), *ARGS, *extra, f"hydra.run.dir={run_dir}"]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
@@ -64,3 +65,24 @@ def test_sigterm_in_the_validation_before_fit_exits_143(tmp_path):
                    "+callbacks.term._target_=_kill9_scenarios.SigTermInValidation")  # fmt: skip
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
     assert "Stopped by SIGTERM before training" in stopped.stdout + stopped.stderr
+
+
+def test_slurms_requeue_signal_saves_at_the_batch_end_and_requeues(tmp_path):
+    # Lightning's SLURM auto-requeue (on by default) saved an hpc checkpoint from inside the SIGUSR1
+    # handler, wherever the step was (on several processes, with collectives against the other ranks'
+    # work), requeued the job and trained on. Now the signal stops fit as SIGTERM does: every rank at the
+    # same batch, last.ckpt saved there, then rank 0 requeues the job.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol_calls"
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    slurm = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train",
+             "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}  # fmt: skip
+    term = ["+callbacks.term._target_=_kill9_scenarios.SigTerm", "+callbacks.term.at_step=3",
+            "+callbacks.term.signum=SIGUSR1"]  # fmt: skip
+    stopped = _run(tmp_path / "stopped", *term, env=slurm)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    assert calls.read_text().split() == ["requeue", "4242"]
+    assert _last(tmp_path / "stopped")["global_step"] == 3
+    assert not list((tmp_path / "stopped").rglob("hpc_ckpt_*.ckpt"))

@@ -11,15 +11,19 @@ Here the handler only records the signal (and passes it on to the processes Ligh
 started, as Lightning's does). At the end of every training and validation batch the ranks agree, in
 one all-reduce of a flag, whether any of them got it; only then is Lightning's ``received_sigterm`` set,
 on every rank at the same batch, and its loops stop there together (``LastCheckpoint.on_exception``
-saves). One process decides alone, with no collective.
+saves). One process decides alone, with no collective. SLURM's requeue signal (Lightning's auto-requeue:
+SIGUSR1) stops the same way, and rank 0 then requeues the job (:func:`requeue_if_asked`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -32,13 +36,19 @@ class SyncedSigterm(L.Callback):
 
     def __init__(self) -> None:
         self.received = False  # this rank's signal, not yet agreed on
+        self.requeue = False  # this rank's signal was SLURM's requeue signal
+        self.requeue_agreed = False  # some rank's was, agreed with the stop
         self._trainer: L.Trainer | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # Runs before Lightning registers its handlers in the same run (Trainer._run), which look the
-        # notifier up on the connector: an attribute set here replaces it for this and later runs.
+        # handlers up on the connector: attributes set here replace them for this and later runs.
         self._trainer = trainer
         trainer._signal_connector._sigterm_notifier_fn = self._notify  # type: ignore[method-assign]
+        # Lightning's SLURM auto-requeue (SIGUSR1, or SLURMEnvironment's requeue_signal) saved a checkpoint
+        # from inside the handler, wherever the step was (on several ranks, its collectives against the
+        # others' work), requeued the job and trained on: it now stops as SIGTERM does, then requeues.
+        trainer._signal_connector._slurm_sigusr_handler_fn = self._notify_requeue  # type: ignore[method-assign]
 
     def _notify(self, signum: int, frame: Any) -> None:
         trainer = self._trainer
@@ -51,11 +61,26 @@ class SyncedSigterm(L.Callback):
             launcher.kill(signum)  # the ranks Lightning's launcher started (torchrun and SLURM signal theirs)
         self.received = True
 
+    def _notify_requeue(self, signum: int, frame: Any) -> None:
+        assert self._trainer is not None
+        log.info(
+            "[rank %d] Received SLURM's requeue signal (%d): stopping at the end of the batch in progress, "
+            "then requeueing the job",
+            self._trainer.global_rank,
+            signum,
+        )
+        self.received = self.requeue = True
+
     def agreed(self, trainer: L.Trainer) -> bool:
-        """Whether any rank got SIGTERM (a collective: every rank calls it at the same point); sets
-        Lightning's ``received_sigterm`` on every rank when one did."""
-        if trainer.strategy.reduce_boolean_decision(self.received, all=False):
+        """Whether any rank got SIGTERM or SLURM's requeue signal (a collective: every rank calls it at the
+        same point); sets Lightning's ``received_sigterm`` on every rank when one did."""
+        flags = torch.tensor(
+            [self.received, self.requeue], dtype=torch.int64, device=trainer.strategy.root_device
+        )
+        received, requeue = (bool(v) for v in trainer.strategy.reduce(flags, reduce_op="sum").tolist())
+        if received:
             trainer._signal_connector.received_sigterm = True
+        self.requeue_agreed |= requeue
         return trainer.received_sigterm
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
@@ -81,3 +106,26 @@ def raise_on_sigterm(trainer: L.Trainer) -> None:
     synced = [c for c in trainer.callbacks if isinstance(c, SyncedSigterm)]
     if synced[0].agreed(trainer) if synced else trainer.received_sigterm:
         raise SIGTERMException
+
+
+def requeue_if_asked(trainer: L.Trainer) -> bool:
+    """After a stop that SLURM's requeue signal asked for (``last.ckpt`` saved): rank 0 requeues the job,
+    as Lightning's auto-requeue did (``scontrol requeue``; an array task by its array id). Whether one was
+    asked for."""
+    synced = [c for c in trainer.callbacks if isinstance(c, SyncedSigterm)]
+    if not (synced and synced[0].requeue_agreed):
+        return False
+    if not trainer.is_global_zero:
+        return True
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if array else os.environ.get("SLURM_JOB_ID")
+    try:
+        result = subprocess.run(["scontrol", "requeue", str(job)], capture_output=True, text=True)
+    except FileNotFoundError:
+        log.error("Could not requeue SLURM job %s: no scontrol on PATH; resubmit it", job)
+        return True
+    if result.returncode:
+        log.error("Could not requeue SLURM job %s (scontrol: %s); resubmit it", job, result.stderr.strip())
+    else:
+        log.warning("Requeued SLURM job %s", job)
+    return True
