@@ -189,7 +189,43 @@ def collectives(out: Path) -> None:
             _, metrics = rollout_correction(old, sampler, mask, level, "truncate", clip_max=1.5)
             pooled = pooled_correction(metrics, mask, level)
             result[f"correction_{level}{tag}"] = {k: float(v) for k, v in pooled.items()}
+    result["head_chunks"] = head_chunks(r)
     (out / f"collectives-rank{r}.json").write_text(json.dumps(result))
+
+
+class GatheringHead(torch.nn.Linear):
+    """An LM head whose every call makes a collective, as DeepSpeed ZeRO-3's hooks gather its weight."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        GatheringHead.calls += 1
+        dist.all_reduce(self.weight.detach().clone())
+        return super().forward(x)
+
+
+def head_chunks(r: int) -> dict[str, list]:
+    """Per case: head calls in forward, in forward and backward, and whether the log-probs are right. Rank 0
+    scores 10 tokens (3 chunks of 4), rank 1 three or none: 1 chunk or 0, and the job hung."""
+    from lightning_vlm.models.logprobs import selective_logps
+
+    torch.manual_seed(0)
+    head, result = GatheringHead(8, 16), {}
+    for case, n in (("uneven", 10 if r == 0 else 3), ("one_empty", 10 if r == 0 else 0)):
+        generator = torch.Generator().manual_seed(r)
+        hidden = torch.randn(n, 8, generator=generator).requires_grad_()
+        targets = torch.randint(16, (n,), generator=generator)
+        GatheringHead.calls = 0
+        logps, _, _ = selective_logps(hidden, targets, head, chunk_size=4, agree_chunks=True)
+        forward = GatheringHead.calls
+        logps.sum().backward()  # each chunk's logits recomputed (checkpointed): the head runs again
+        expected = torch.log_softmax(hidden.detach() @ head.weight.T + head.bias, -1)[
+            torch.arange(n), targets
+        ]
+        result[case] = [forward, GatheringHead.calls, bool(torch.allclose(logps, expected))]
+    return result
 
 
 def main() -> None:

@@ -216,6 +216,9 @@ def test_collectives_take_a_different_number_of_rows_on_each_rank(two_processes)
         assert result["pooled"] == 7.0  # the mean of all 3 rows (0, 10, 11), not of the means 0 and 10.5
         assert result["pooled_one_empty"] == 5.0  # rank 0's one row (5); rank 1's empty mean is NaN
         assert result["objects"] == [{"rank": 0}, {"rank": 1}]
+        # Every rank calls an LM head that gathers its weights (ZeRO-3) as often as the rank with the most
+        # chunks, in forward and in backward's recomputation; rank 1 called it once, or never: a hang.
+        assert result["head_chunks"] == {"uneven": [3, 6, True], "one_empty": [3, 6, True]}
     # The rollout correction's logged metrics are those of one process holding every rank's rows. They were
     # means (min, max) over ranks of each rank's values, and a rank without rows gave 0 for its ratios.
     for level in ("token", "sequence"):

@@ -7,10 +7,13 @@ Under autograd each chunk is checkpointed: its logits are recomputed in backward
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from ..parallel.collectives import all_reduce_max
 
 
 def scored_positions(target_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,15 +69,24 @@ def selective_logps(
     return_entropy: bool = False,
     suppressed_ids: Sequence[int] | None = None,
     chunk_size: int = 1024,
+    agree_chunks: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Log-probs, entropies (or None) and argmax ids of ``targets[N]`` given ``hidden[N, H]``, chunked."""
+    """Log-probs, entropies (or None) and argmax ids of ``targets[N]`` given ``hidden[N, H]``, chunked.
+
+    ``agree_chunks``: every rank calls ``head`` as often as the rank with the most tokens (empty chunks
+    on the others; a collective), for a head whose every call gathers its weights (DeepSpeed ZeRO-3's
+    hooks, a head that is its own FSDP unit): a rank with fewer chunks, or none, would otherwise pair its
+    next collective with another's gather, and the job hung."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     suppressed = None
     if suppressed_ids:
         suppressed = torch.as_tensor(list(suppressed_ids), dtype=torch.long, device=hidden.device)
+    chunks = math.ceil(hidden.shape[0] / chunk_size)
+    if agree_chunks:
+        chunks = int(all_reduce_max(torch.tensor([chunks], device=hidden.device)))
     logps, entropies, argmaxes = [], [], []
-    for start in range(0, hidden.shape[0], chunk_size):
+    for start in range(0, chunks * chunk_size, chunk_size):
         args = (hidden[start : start + chunk_size], targets[start : start + chunk_size])
         if torch.is_grad_enabled() and hidden.requires_grad:
             lp, ent, top = checkpoint(

@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from ..parallel.collectives import world_size
 from . import encoding, vision_every_rank
 from .adapter_folder import adapter_chain, merge_adapters
 from .chat_render import generation_prompt
@@ -345,14 +346,16 @@ class VLM(torch.nn.Module):
         hidden = self.hidden_states(inputs, model)
         batch_idx, token_idx = scored_positions(target_mask.to(hidden.device))
         targets = ids[batch_idx, token_idx]
+        head = model.get_output_embeddings()
         logps, entropy, argmax = selective_logps(
             hidden[batch_idx, token_idx - 1],
             targets,
-            softcapped(model.get_output_embeddings(), self.logit_softcap),
+            softcapped(head, self.logit_softcap),
             temperature=temperature,
             return_entropy=return_entropy,
             suppressed_ids=self.suppressed_token_ids if mask_suppressed else None,
             chunk_size=chunk_size,
+            agree_chunks=world_size() > 1 and vision_every_rank.gathers_weights(head),
         )
         shape = target_mask.shape
         logps = scatter_to_tokens(logps, batch_idx, token_idx, shape)

@@ -39,6 +39,15 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum of ``x`` over ranks (a new tensor)."""
+    if world_size() == 1:
+        return x.clone()
+    out = x.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out
+
+
 def all_gather_object(obj: object) -> list[object]:
     """Every rank's picklable ``obj``, in rank order (``[obj]`` on one process)."""
     if world_size() == 1:
