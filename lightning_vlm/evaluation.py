@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_vlm.callbacks.run_identity import check_run_identity
+from lightning_vlm.callbacks.same_config import SameConfig
 from lightning_vlm.callbacks.sigterm import SyncedSigterm
 from lightning_vlm.ckpt_path import checkpoint_entries, checkpoint_to_load, restore_errors
 from lightning_vlm.data.sources import plain
@@ -92,6 +93,7 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     # The W&B run has started: whatever fails below ends it.
     with ending_runs(loggers):
         callbacks = [
+            SameConfig(cfg),  # first: the ranks' configs compared before other callbacks' collectives
             *drop_refused(instantiate_group(cfg.get("callbacks")), cfg.trainer, bool(loggers)),
             counter,
             SyncedSigterm(),  # every rank stops at the same batch (a skewed signal hung Lightning's ranks)

@@ -25,6 +25,7 @@ from lightning_vlm.callbacks.resume import BatchCountAfterResume, NextEpochAfter
 from lightning_vlm.callbacks.rng_states import RngStates
 from lightning_vlm.callbacks.run_identity import RunIdentity, check_run_identity, warn_unapplied_optimizer
 from lightning_vlm.callbacks.run_report import RunReport, finish_reports
+from lightning_vlm.callbacks.same_config import SameConfig
 from lightning_vlm.callbacks.sigterm import SyncedSigterm, raise_on_sigterm, requeue_if_asked
 from lightning_vlm.callbacks.validated_step import ValidatedStep, validated_final_step
 from lightning_vlm.ckpt_path import checkpoint_entries, checkpoint_to_load, last_checkpoint, restore_errors
@@ -190,7 +191,8 @@ def _train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     loggers = start_runs(loggers)
     with ending_runs(loggers):
         callbacks = drop_refused(callbacks, cfg.trainer, bool(loggers))
-        callbacks += resume_callbacks(loggers)
+        # SameConfig first: its setup compares the ranks' configs before other callbacks' collectives
+        callbacks = [SameConfig(cfg), *callbacks, *resume_callbacks(loggers)]
         trainer: L.Trainer = hydra.utils.instantiate(
             cfg.trainer, callbacks=callbacks, logger=loggers or False
         )
