@@ -158,3 +158,48 @@ def test_a_folder_datasets_reads_as_an_image_folder_names_the_data_files_it_igno
     dm = PromptDataModule(train=str(folder / "train.jsonl"))  # the file itself, as the error says
     dm.setup()
     assert len(dm.train_dataset) == 3
+
+
+def test_a_folder_whose_card_names_its_files_is_read_as_the_card_says(tmp_path):
+    # A local copy of a hub dataset repo: its card's configs name the files (en/ by default). The
+    # left-out check took zh/train.parquet (same type, another config) for a file datasets dropped.
+    folder = tmp_path / "repo"
+    write_rows(folder / "en" / "train.parquet", [{"prompt": "q0"}, {"prompt": "q1"}], "parquet")
+    write_rows(folder / "zh" / "train.parquet", [{"prompt": "q2"}], "parquet")
+    write_rows(folder / "raw" / "train.jsonl", [{"prompt": "q3"}], "jsonl")
+    (folder / "README.md").write_text(
+        "---\nconfigs:\n- config_name: en\n  default: true\n  data_files:\n  - split: train\n"
+        "    path: en/train.parquet\n- config_name: zh\n  data_files:\n  - split: train\n"
+        "    path: zh/train.parquet\n---\n# a card\n"
+    )
+    dm = PromptDataModule(train=str(folder))
+    dm.setup()
+    assert len(dm.train_dataset) == 2
+
+
+@pytest.mark.parametrize("files", [["train.parquet"], ["train-0.parquet", "train-1.parquet"]])
+def test_a_parquet_file_without_rows_in_a_folder_is_named(tmp_path, files):
+    # The folder gave datasets' "An error occurred while generating the dataset", naming no file.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "root").mkdir()
+    if len(files) > 1:
+        write_rows(tmp_path / "root" / files[0], [{"prompt": "q"}], "parquet")
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "root" / files[-1])
+    with pytest.raises(SourceError, match=rf"{files[-1]}: the file holds no rows"):
+        PromptDataModule(train=str(tmp_path / "root")).setup()
+
+
+def test_a_saved_dataset_dict_with_an_empty_split_loads_its_other_splits(tmp_path):
+    # datasets cannot load a DatasetDict one of whose splits has no rows (a bare IndexError); the split
+    # asked for loads, and the empty one is named when it is the one asked for.
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict({"prompt": ["q0", "q1"]}),
+         "validation": datasets.Dataset.from_dict({"prompt": []})}
+    ).save_to_disk(str(tmp_path / "saved"))  # fmt: skip
+    dm = PromptDataModule(train=str(tmp_path / "saved"))
+    dm.setup()
+    assert len(dm.train_dataset) == 2
+    with pytest.raises(SourceError, match=r"split 'validation' of .*saved holds no rows"):
+        PromptDataModule(train={"path": str(tmp_path / "saved"), "split": "validation"}).setup()

@@ -212,7 +212,7 @@ def load_file(path: Path) -> Any:
         # works); sources picks a split spec's rows of it (one_split, pick_rows).
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as e:  # the loaders raise many types (ArrowInvalid, StopIteration, ...)
-        problem = json_problem(path) if builder == "json" else _parquet_problem(path)
+        problem = json_problem(path) if builder == "json" else parquet_problem(path)
         if problem is not None:
             raise SourceError(f"{path}: {problem}") from e
         root = _innermost(e)  # nothing we can pin down: the parser's own words, with the file
@@ -220,7 +220,7 @@ def load_file(path: Path) -> Any:
         raise error(f"{path}: could not be read as {builder} data: {type(root).__name__}: {root}") from e
 
 
-def _parquet_problem(path: Path) -> str | None:
+def parquet_problem(path: Path) -> str | None:
     """What we can name about a parquet file datasets failed on: one with a schema and no rows (its
     reader says "BatchSize must be greater than 0")."""
     import pyarrow.parquet as pq

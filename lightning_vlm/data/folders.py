@@ -21,6 +21,7 @@ from lightning_vlm.data.files import (
     json_problem,
     json_rows_readable,
     load_file,
+    parquet_problem,
     pick_rows,
     read_json_rows,
     row_dirs,
@@ -39,13 +40,13 @@ def from_folder(folder: Path, subset: str | None, split: str) -> Source:
     if named is not None:
         _check_left_out(folder, subset, named)
         # datasets reads a non-UTF-8 JSON file without a word, and fails at the first row read
-        _raise_json_problem([f for f in _json_files(named) if not _archive_by_content(f) and not is_utf8(f)])
+        _raise_file_problem([f for f in _json_files(named) if not _archive_by_content(f) and not is_utf8(f)])
     try:
         dataset = load_hf_dataset(str(folder), subset, split, folder=True)
     except SourceError:
         if named is None:
             raise
-        _raise_json_problem(_json_files(named))  # the file and line, not datasets' generic words
+        _raise_file_problem(_files(named))  # the file and line, not datasets' generic words
         if not _json_as_written(named):
             raise
         # datasets' JSON reader fails on some files Python's json reads row by row (a field that
@@ -100,7 +101,7 @@ def _check_builder(folder: Path, named: Mapping[str, list[Path]] | None) -> None
 def _check_left_out(folder: Path, subset: str | None, named: Mapping[str, list[Path]]) -> None:
     """Refuse a split whose files are of several data types: datasets reads one type per folder (the
     most common) and leaves the other files out without a word, so their rows were never trained on."""
-    if subset is not None:  # a dataset card's configs name the files: nothing inferred
+    if subset is not None or _card_names_files(folder):  # a dataset card's configs name the files
         return
     from datasets.data_files import DataFilesDict, get_data_patterns
 
@@ -109,10 +110,11 @@ def _check_left_out(folder: Path, subset: str | None, named: Mapping[str, list[P
     except Exception:  # datasets raises many types; the folder's load says the rest
         return
     for split, files in named.items():
-        read = {f.resolve() for f in files}
+        builders = {FILE_BUILDERS.get(data_suffix(f)) for f in files}
         left = sorted(
             Path(f) for f in matched.get(split, [])
-            if data_suffix(Path(f)) in FILE_BUILDERS and Path(f).resolve() not in read
+            if FILE_BUILDERS.get(data_suffix(Path(f)), "") not in builders
+            and data_suffix(Path(f)) in FILE_BUILDERS
         )  # fmt: skip
         if left:
             types = sorted({data_suffix(f) for f in [*files, *left]})
@@ -123,14 +125,26 @@ def _check_left_out(folder: Path, subset: str | None, named: Mapping[str, list[P
             )
 
 
+def _card_names_files(folder: Path) -> bool:
+    """Whether the folder's dataset card (README.md's YAML header) lists ``configs``, which name the files
+    each config reads: other files (another config's) are left out on purpose."""
+    card = folder / "README.md"
+    if not card.is_file():
+        return False
+    header = card.read_text(errors="replace").split("\n---", 1)[0]
+    return header.startswith("---") and any(line.startswith("configs:") for line in header.splitlines())
+
+
 def _names(folder: Path, files: list[Path]) -> str:
     return ", ".join(str(f.relative_to(folder)) for f in files[:3]) + (", ..." if len(files) > 3 else "")
 
 
-def _raise_json_problem(files: list[Path]) -> None:
-    """SourceError naming the first of these JSON files that is not loadable and what is wrong there."""
+def _raise_file_problem(files: list[Path]) -> None:
+    """SourceError naming the first of these data files that is not loadable and what is wrong there."""
+    problems = {"json": json_problem, "parquet": parquet_problem}
     for f in files:
-        if (problem := json_problem(f)) is not None:
+        check = problems.get(FILE_BUILDERS.get(data_suffix(f), ""))
+        if check is not None and (problem := check(f)) is not None:
             raise SourceError(f"{f}: {problem}")
 
 

@@ -106,18 +106,38 @@ def _looks_like_path(spec: str) -> bool:
     return spec.startswith(("/", ".", "~")) or data_suffix(Path(spec)) in FILE_BUILDERS
 
 
+def _without_empty_splits(folder: Path, split: str, error: IndexError) -> Any:
+    """A saved dataset that datasets fails to load (``error``) because it, or one of its splits, has no rows
+    (saved as no data files): its other splits, or SourceError naming the empty one asked for."""
+    import datasets
+
+    def empty(state: Path) -> bool:
+        return not json.loads(state.read_text()).get("_data_files")
+
+    if (folder / "state.json").is_file():
+        if empty(folder / "state.json"):
+            raise SourceError(
+                f"{folder}: a saved dataset with no rows ({folder / 'state.json'} lists no data files)"
+            )
+        raise error
+    splits = {state.parent.name: empty(state) for state in folder.glob("*/state.json")}
+    if not any(splits.values()):
+        raise error
+    asked = set(splits) if split == "all" else split_names(split)
+    for name in sorted(n for n in asked if splits.get(n)):
+        raise SourceError(f"split '{name}' of {folder} holds no rows (datasets saved no data files for it)")
+    return datasets.DatasetDict(
+        {name: datasets.load_from_disk(str(folder / name)) for name, no_rows in splits.items() if not no_rows}
+    )
+
+
 def _from_disk(folder: Path, split: str, explicit: bool) -> Source:
     import datasets
 
     try:
         loaded = datasets.load_from_disk(str(folder))
-    except IndexError:  # datasets saves a dataset of no rows as no files, then fails to load it
-        empty = [s for s in folder.glob("**/state.json") if not json.loads(s.read_text()).get("_data_files")]
-        if not empty:
-            raise
-        raise SourceError(
-            f"{folder}: a saved dataset with no rows ({empty[0]} lists no data files)"
-        ) from None
+    except IndexError as error:  # datasets saves a dataset of no rows as no files, then fails to load it
+        loaded = _without_empty_splits(folder, split, error)
     if isinstance(loaded, datasets.DatasetDict):
         missing = sorted(split_names(split) - set(loaded))
         if missing:
