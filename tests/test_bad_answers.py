@@ -38,7 +38,6 @@ CASES = {
                                 "row 1, column 'completion'", "images inside 'completion'"),
     # an empty answer (a missing value written as ""): trained on the end-of-turn token alone
     "dpo_empty_chosen": (PreferenceDataModule, _pairs(chosen=" "), "row 1, column 'chosen'", "no_answer"),
-    "dpo_empty_rejected": (PreferenceDataModule, _pairs(rejected=""), "row 1, column 'rejected'", "no_answer"),
     "kto_empty_completion": (UnpairedDataModule, _unpaired(_pairs(chosen="")), "row 1, column 'completion'",
                              "no_answer"),
     # KTO reading a pair whose answers are the same: one answer both desirable and undesirable
@@ -75,3 +74,15 @@ def test_a_saved_dataset_without_rows_says_so(folder):  # noqa: F811
     # was a bare IndexError from inside datasets' load_from_disk
     with pytest.raises(SourceError, match=r"saved.*no rows"):
         PreferenceDataModule(train=str(folder / "saved")).setup()
+
+
+def test_an_empty_rejected_or_undesirable_answer_is_kept(folder):  # noqa: F811
+    # Not ending the turn at once is a signal (TRL takes such rows); only an empty answer to prefer is refused.
+    dm = PreferenceDataModule(train=write(folder, "jsonl", _pairs(rejected="")), batch_size=8)
+    dm.setup()
+    assert len(dm.train_dataset) == 3
+    rows = _unpaired(_pairs(chosen=""))
+    rows[1]["label"] = False
+    dm = UnpairedDataModule(train=write(folder, "jsonl", rows), batch_size=8)
+    dm.setup()
+    assert len(dm.train_dataset) == 3

@@ -260,15 +260,21 @@ def _check_answer(at: _Row, column: str, messages: list[dict]) -> None:
         at.fail(column, "no_answer", f"SFT row with {what} (roles: {roles}): it has nothing to train on")
 
 
-def _check_reply(at: _Row, column: str, messages: list[dict]) -> None:
+def _check_reply(at: _Row, column: str, messages: list[dict], preferred: bool) -> None:
     """A preference or KTO answer: assistant text. An image in it failed mid-training, at the batch
-    holding the row; an empty one (a missing value written as "") trained on the end-of-turn token."""
+    holding the row. An empty ``preferred`` one (chosen, desirable: a missing value written as "") would
+    teach answering nothing; an empty rejected or undesirable one is kept (not ending the turn at once is
+    a signal; TRL takes both)."""
     if any(m["role"] != "assistant" for m in messages):
         at.fail(column, "wrong_type", f"'{column}' must hold assistant messages only")
     if _count_images(messages):
         at.fail(column, "wrong_type", f"images inside '{column}' are not supported; put them in the prompt")
-    if not any(b["text"].strip() for m in messages for b in m["content"] if b["type"] == "text"):
-        at.fail(column, "no_answer", f"'{column}' is an empty answer: it has nothing to train on")
+    if preferred and not any(
+        b["text"].strip() for m in messages for b in m["content"] if b["type"] == "text"
+    ):
+        at.fail(
+            column, "no_answer", f"'{column}' is an empty answer to prefer: it would teach answering nothing"
+        )
 
 
 def _label(row: Mapping, at: _Row) -> bool:
@@ -340,8 +346,8 @@ def normalize_row(
             prompt, plain = _text_or_conversation(row["prompt"], at, "prompt", "user")
             chosen, _ = _text_or_conversation(chosen_raw, at, "chosen", "assistant")
             rejected, _ = _text_or_conversation(rejected_raw, at, "rejected", "assistant")
-        for column, messages in (("chosen", chosen), ("rejected", rejected)):
-            _check_reply(at, column, messages)
+        _check_reply(at, "chosen", chosen, preferred=True)
+        _check_reply(at, "rejected", rejected, preferred=False)
         if chosen == rejected:  # no preference: DPO's loss is a constant, KTO's rows contradict each other
             at.fail("chosen", "wrong_type", "'chosen' and 'rejected' are the same answer")
         _place_images(prompt, plain, len(images))
@@ -351,8 +357,8 @@ def normalize_row(
     elif shape == "unpaired":
         prompt, plain = _text_or_conversation(_require(row, at, "prompt"), at, "prompt", "user")
         completion, _ = _text_or_conversation(_require(row, at, "completion"), at, "completion", "assistant")
-        _check_reply(at, "completion", completion)
         out["label"] = _label(row, at)
+        _check_reply(at, "completion", completion, preferred=out["label"])
         _place_images(prompt, plain, len(images))
         _check_count(at, "prompt", _count_images(prompt), len(images))
         out.update(prompt=prompt, completion=completion)

@@ -90,6 +90,7 @@ def _prompts_and_answers(
     for i, row in enumerate(rows):
         for column in columns:
             completions.append(answer_ids(vlm, row["prompt"], row[column], f"row {i}, {column!r}"))
+    differ = [completions[k * i] != completions[k * i + 1] for i in range(len(rows))] if k == 2 else []
     if max_length is not None:
         prompt_len = prompts["attention_mask"].sum(dim=1)
         for i, length in enumerate(prompt_len.tolist()):
@@ -103,14 +104,16 @@ def _prompts_and_answers(
             for j in range(k * i, k * i + k):
                 completions[j] = completions[j][:room]
         if tuple(columns) == ("chosen", "rejected"):
-            _warn_cut_to_one_answer(rows, completions, max_length)
+            _warn_cut_to_one_answer(rows, completions, differ, max_length)
     return prompts, completions
 
 
-def _warn_cut_to_one_answer(rows: list[dict], completions: list[list[int]], max_length: int) -> None:
-    """Says when truncation left a pair's two answers the same tokens: its loss is a constant (DPO's
-    log 2), so it trains on nothing. The rows' answers differ (rows.py refuses the same answer twice)."""
-    same = [i for i in range(len(rows)) if completions[2 * i] == completions[2 * i + 1]]
+def _warn_cut_to_one_answer(
+    rows: list[dict], completions: list[list[int]], differed: list[bool], max_length: int
+) -> None:
+    """Says when truncation left a pair's two answers, which ``differed`` before, the same tokens: its
+    loss is a constant (DPO's log 2), so it trains on nothing."""
+    same = [i for i in range(len(rows)) if differed[i] and completions[2 * i] == completions[2 * i + 1]]
     if same:
         log.warning(
             "max_length=%d cut both answers of %d pair%s of this batch to the same tokens (e.g. %s): %s on "
