@@ -5,7 +5,9 @@ Hydra's sweepers (basic, Optuna) hand each job's return value (train.py returns
 ``summary.json`` and ``summary.md`` to the sweep folder after every job, and logs the best job when the
 multirun ends, so nobody has to dig through job folders to find which settings won. After every job,
 not only at the end: Hydra's basic sweeper re-raises a failed job's error before the multirun's end
-hook, and the summary of the jobs that ran, the failed one included, is what a user needs then.
+hook, and the summary of the jobs that ran, the failed one included, is what a user needs then. On
+several processes a failed job ends the sweep before this hook sees it (``training.failure_ends_sweep``):
+the summary lists the jobs before it.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from lightning_vlm.ckpt_path import checkpoint_entries, checkpoint_to_load, last
 from lightning_vlm.hub_reach import offline_if_unreachable
 from lightning_vlm.loggers import WandbRunId, builds_wandb, ending_runs, start_runs, wandb_run_id
 from lightning_vlm.models.scale_guard import check_model_scale
-from lightning_vlm.parallel.collectives import launcher_rank
+from lightning_vlm.parallel.collectives import launcher_rank, world_size
 from lightning_vlm.parallel.teardown import shut_down_at_exit
 from lightning_vlm.settings_check import check_settings
 
@@ -159,7 +159,8 @@ def failure_ends_sweep() -> Iterator[None]:
     try:
         yield
     except Exception:
-        if not (_multirun() and max(int(os.environ.get(k, "1")) for k in ("WORLD_SIZE", "SLURM_NTASKS")) > 1):
+        # WORLD_SIZE: torchrun's processes; a SLURM step's have a process group once a job has set it up
+        if not (_multirun() and max(world_size(), int(os.environ.get("WORLD_SIZE", "1"))) > 1):
             raise
         logging.getLogger(__name__).exception(  # on this rank: the one that failed may not be rank 0
             "[rank %d] this job failed; on several processes that ends the sweep on every process (the other "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 from typing import Any
 
@@ -115,17 +116,27 @@ def requeue_if_asked(trainer: L.Trainer) -> bool:
     synced = [c for c in trainer.callbacks if isinstance(c, SyncedSigterm)]
     if not (synced and synced[0].requeue_agreed):
         return False
-    if not trainer.is_global_zero:
-        return True
+    # The requeue ends the running job with SIGTERM to every task: ignored from here, so the shutdown
+    # (W&B's finish, the last log lines) completes. Every rank ignores it before rank 0 requeues, and none
+    # exits before that is done (srun --kill-on-bad-exit would end rank 0 at another's exit code 143).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    trainer.strategy.barrier("requeue")
+    if trainer.is_global_zero:
+        _requeue()
+    trainer.strategy.barrier("requeued")
+    return True
+
+
+def _requeue() -> None:
+    """``scontrol requeue`` of this SLURM job (an array task by its array job's id)."""
     array = os.environ.get("SLURM_ARRAY_JOB_ID")
     job = f"{array}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if array else os.environ.get("SLURM_JOB_ID")
     try:
         result = subprocess.run(["scontrol", "requeue", str(job)], capture_output=True, text=True)
     except FileNotFoundError:
         log.error("Could not requeue SLURM job %s: no scontrol on PATH; resubmit it", job)
-        return True
+        return
     if result.returncode:
         log.error("Could not requeue SLURM job %s (scontrol: %s); resubmit it", job, result.stderr.strip())
     else:
         log.warning("Requeued SLURM job %s", job)
-    return True
