@@ -159,8 +159,10 @@ def failure_ends_sweep() -> Iterator[None]:
     try:
         yield
     except Exception:
-        # WORLD_SIZE: torchrun's processes; a SLURM step's have a process group once a job has set it up
-        if not (_multirun() and max(world_size(), int(os.environ.get("WORLD_SIZE", "1"))) > 1):
+        # torchrun's processes, a SLURM step's tasks (not SLURM_NTASKS: a one-process sweep inside salloc -n 4
+        # has it), or a process group a job set up
+        launched = (int(os.environ.get(k, "1")) for k in ("WORLD_SIZE", "SLURM_STEP_NUM_TASKS"))
+        if not (_multirun() and max(world_size(), *launched) > 1):
             raise
         logging.getLogger(__name__).exception(  # on this rank: the one that failed may not be rank 0
             "[rank %d] this job failed; on several processes that ends the sweep on every process (the other "
