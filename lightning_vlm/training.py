@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import lightning_vlm.config  # noqa: F401  (registers the ${tiny_vlm:...} and ${run_stamp:...} resolvers)
 from lightning_vlm.callbacks.completions import LogCompletions
+from lightning_vlm.callbacks.epoch_metrics import EpochMetricsEverywhere
 from lightning_vlm.callbacks.export import publish_after_fit
 from lightning_vlm.callbacks.resume import BatchCountAfterResume, NextEpochAfterRestart
 from lightning_vlm.callbacks.rng_states import RngStates
@@ -194,8 +195,9 @@ def _train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     loggers = start_runs(loggers)
     with ending_runs(loggers):
         callbacks = drop_refused(callbacks, cfg.trainer, bool(loggers))
-        # SameConfig first: its setup compares the ranks' configs before other callbacks' collectives
-        callbacks = [SameConfig(cfg), *callbacks, *resume_callbacks(loggers)]
+        # SameConfig first: its setup compares the ranks' configs before other callbacks' collectives;
+        # EpochMetricsEverywhere before the progress bar, which computes the epoch's metrics on rank 0 alone
+        callbacks = [SameConfig(cfg), EpochMetricsEverywhere(), *callbacks, *resume_callbacks(loggers)]
         trainer: L.Trainer = hydra.utils.instantiate(
             cfg.trainer, callbacks=callbacks, logger=loggers or False
         )

@@ -90,6 +90,13 @@ class RaiseOnRank(L.Callback):
             raise RuntimeError(f"boom on rank {self.rank} at step {self.at_step}")
 
 
+class BarrierAtEpochEnd(L.Callback):
+    """A user's callback with a collective at each training epoch's end (an all-rank evaluation, say)."""
+
+    def on_train_epoch_end(self, trainer: L.Trainer, *args) -> None:
+        trainer.strategy.barrier("epoch_end")
+
+
 class ValidationBatches(L.Callback):
     """Appends the global step of every validation batch fit starts to the file ``path`` (one line each;
     a stop before a validation leaves it empty)."""
