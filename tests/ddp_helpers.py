@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import lightning as L
+import psutil
 import torch
 
 from helpers import ROOT
@@ -184,6 +185,9 @@ def torchrun(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        # torchrun gives each worker a session of its own: kill them too, or they hold the pipes open
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         err += f"\n[torchrun killed after {timeout:g} s]"
