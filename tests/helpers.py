@@ -132,3 +132,16 @@ def mixed_rows(shape: str = "prompt", seed: int = 7) -> list[dict]:
     first = rows[2]["prompt"][0] if shape != "sft" else rows[2]["messages"][0]
     first["content"][:0] = [{"type": "image"}, {"type": "image"}]
     return rows
+
+
+def fake_scontrol(tmp_path: Path) -> tuple[str, Path]:
+    """A ``scontrol`` that records its arguments (one call a line) in the returned file; the first value is
+    a PATH that finds it first. SLURM does not run here: this is the requeue's only witness."""
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol_calls"
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    return f"{bin_dir}{os.pathsep}{os.environ['PATH']}", calls

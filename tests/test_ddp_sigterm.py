@@ -18,7 +18,7 @@ import pytest
 import torch
 from ddp_helpers import torchrun
 
-from helpers import ROOT
+from helpers import ROOT, fake_scontrol
 
 pytestmark = [pytest.mark.slow, pytest.mark.ddp]
 # A validation follows step 3, the progress bar on: rank 0's bar syncs logged metrics where rank 1 does
@@ -50,11 +50,7 @@ def test_slurms_requeue_signal_on_one_task_stops_both_saves_and_requeues_once(tm
     # Two tasks as srun starts them (each its SLURM_PROCID); SIGUSR1 reaches task 1 alone at step 3.
     # Lightning's auto-requeue handler saved from inside the signal handler on that rank alone, with the
     # checkpoint's collectives against the other's training, and trained on.
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    calls = tmp_path / "scontrol_calls"
-    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
-    (bin_dir / "scontrol").chmod(0o755)
+    path, calls = fake_scontrol(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -63,7 +59,7 @@ def test_slurms_requeue_signal_on_one_task_stops_both_saves_and_requeues_once(tm
     tasks = []
     for rank in (0, 1):
         env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-               "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2",
+               "PATH": path, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2",
                "SLURM_JOB_NAME": "train",
                "SLURM_JOB_ID": "4242", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import fake_scontrol
+
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 # Checkpoints far apart (every 1000 steps): whatever last.ckpt holds at step 3 was written on SIGTERM.
@@ -72,12 +74,8 @@ def test_slurms_requeue_signal_saves_at_the_batch_end_and_requeues(tmp_path):
     # handler, wherever the step was (on several processes, with collectives against the other ranks'
     # work), requeued the job and trained on. Now the signal stops fit as SIGTERM does: every rank at the
     # same batch, last.ckpt saved there, then rank 0 requeues the job.
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    calls = tmp_path / "scontrol_calls"
-    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
-    (bin_dir / "scontrol").chmod(0o755)
-    slurm = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train",
+    path, calls = fake_scontrol(tmp_path)
+    slurm = {"PATH": path, "SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train",
              "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}  # fmt: skip
     term = ["+callbacks.term._target_=_kill9_scenarios.SigTerm", "+callbacks.term.at_step=3",
             "+callbacks.term.signum=SIGUSR1"]  # fmt: skip

@@ -104,17 +104,22 @@ def raise_on_sigterm(trainer: L.Trainer) -> None:
     """After a validation outside fit (before it, or the final one): a SIGTERM any rank got during it
     ends the job on every rank. Lightning's validation loop raises only before other batches, and its next
     fit forgets the signal, so the job would train on until it is killed."""
-    synced = [c for c in trainer.callbacks if isinstance(c, SyncedSigterm)]
-    if synced[0].agreed(trainer) if synced else trainer.received_sigterm:
+    synced = _synced(trainer)
+    if synced.agreed(trainer) if synced else trainer.received_sigterm:
         raise SIGTERMException
+
+
+def _synced(trainer: L.Trainer) -> SyncedSigterm | None:
+    """The trainer's :class:`SyncedSigterm` (every train.py and eval.py run has one)."""
+    return next((c for c in trainer.callbacks if isinstance(c, SyncedSigterm)), None)
 
 
 def requeue_if_asked(trainer: L.Trainer) -> bool:
     """After a stop that SLURM's requeue signal asked for (``last.ckpt`` saved): rank 0 requeues the job,
     as Lightning's auto-requeue did (``scontrol requeue``; an array task by its array id). Whether one was
     asked for."""
-    synced = [c for c in trainer.callbacks if isinstance(c, SyncedSigterm)]
-    if not (synced and synced[0].requeue_agreed):
+    synced = _synced(trainer)
+    if not (synced and synced.requeue_agreed):
         return False
     # The requeue ends the running job with SIGTERM to every task: ignored from here, so the shutdown
     # (W&B's finish, the last log lines) completes. Every rank ignores it before rank 0 requeues, and none

@@ -110,12 +110,13 @@ def _check_left_out(folder: Path, subset: str | None, named: Mapping[str, list[P
     except Exception:  # datasets raises many types; the folder's load says the rest
         return
     for split, files in named.items():
-        builders = {FILE_BUILDERS.get(data_suffix(f)) for f in files}
+        read = {FILE_BUILDERS.get(data_suffix(f)) for f in files}
+        # data files of a builder other than the one read (None: not a data file)
         left = sorted(
-            Path(f) for f in matched.get(split, [])
-            if FILE_BUILDERS.get(data_suffix(Path(f)), "") not in builders
-            and data_suffix(Path(f)) in FILE_BUILDERS
-        )  # fmt: skip
+            Path(f)
+            for f in matched.get(split, [])
+            if FILE_BUILDERS.get(data_suffix(Path(f))) not in {None, *read}
+        )
         if left:
             types = sorted({data_suffix(f) for f in [*files, *left]})
             raise SourceError(

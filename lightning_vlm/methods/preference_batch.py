@@ -9,17 +9,14 @@ vision tower runs once per pair (see ``lightning_vlm.models.vision_cache``).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from lightning_vlm.models.encoding import assistant_char_spans, row_summary
+from lightning_vlm.models.encoding import assistant_char_spans, row_summary, warn_trains_on_nothing
 from lightning_vlm.models.image_tokens import repeat_samples
 from lightning_vlm.models.vision_cache import repeated_groups, with_image_groups
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -114,13 +111,7 @@ def _warn_cut_to_one_answer(
     """Says when truncation left a pair's two answers, which ``differed`` before, the same tokens: its
     loss is a constant (DPO's log 2), so it trains on nothing."""
     same = [i for i in range(len(rows)) if differed[i] and completions[2 * i] == completions[2 * i + 1]]
-    if same:
-        log.warning(
-            "max_length=%d cut both answers of %d pair%s of this batch to the same tokens (e.g. %s): %s on "
-            "nothing. Raise method.max_length, or shorten the prompts or images (model.processor_kwargs)",
-            max_length, len(same), "s" if len(same) > 1 else "", row_summary(rows[same[0]]),
-            "they train" if len(same) > 1 else "it trains",
-        )  # fmt: skip
+    warn_trains_on_nothing(max_length, rows, same, "both answers of", "pair", " to the same tokens")
 
 
 def _blocks(message: dict) -> list[dict]:

@@ -205,12 +205,21 @@ def _warn_cut_answers(before: torch.Tensor, after: torch.Tensor, rows: list[dict
     lost = [
         b for b in range(len(rows)) if (before[b] != IGNORE_INDEX).any() and (after[b] == IGNORE_INDEX).all()
     ]
-    if lost:
+    warn_trains_on_nothing(max_length, rows, lost, "every answer token of", "row")
+
+
+def warn_trains_on_nothing(
+    max_length: int, rows: list[dict], which: list[int], cut: str, unit: str, result: str = ""
+) -> None:
+    """Says that ``max_length`` cut ``cut`` the ``which`` rows of this batch (counted as ``unit``s; ``result``:
+    what that left), which stay in the batch and train on nothing."""
+    if which:
+        many = len(which) > 1
         log.warning(
-            "max_length=%d cut every answer token of %d row%s of this batch (e.g. %s): %s on nothing. Raise "
-            "method.max_length, or shorten the prompts or images (model.processor_kwargs)",
-            max_length, len(lost), "s" if len(lost) > 1 else "", row_summary(rows[lost[0]]),
-            "they train" if len(lost) > 1 else "it trains",
+            "max_length=%d cut %s %d %s%s of this batch%s (e.g. %s): %s on nothing. Raise method.max_length, "
+            "or shorten the prompts or images (model.processor_kwargs)",
+            max_length, cut, len(which), unit, "s" if many else "", result, row_summary(rows[which[0]]),
+            "they train" if many else "it trains",
         )  # fmt: skip
 
 

@@ -30,22 +30,23 @@ def launcher_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("LOCAL_RANK", "0"))))
 
 
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """The elementwise sum of ``x`` over ranks (a new tensor; ``x`` itself is left as it is)."""
+def _all_reduce(x: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
+    """``x`` reduced elementwise over ranks with ``op`` (a new tensor; ``x`` itself is left as it is)."""
     if world_size() == 1:
         return x.clone()
     out = x.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    dist.all_reduce(out, op=op)
     return out
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """The elementwise sum of ``x`` over ranks (a new tensor)."""
+    return _all_reduce(x, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
     """The elementwise maximum of ``x`` over ranks (a new tensor)."""
-    if world_size() == 1:
-        return x.clone()
-    out = x.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return out
+    return _all_reduce(x, dist.ReduceOp.MAX)
 
 
 def all_gather_object(obj: object) -> list[object]:
