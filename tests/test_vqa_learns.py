@@ -22,7 +22,7 @@ RUNS = {
     "grpo_choice": {"multiple_choice_reward": 0.3},
     "grpo_ocr": {"ocr_reward": 0.07},
     "grpo_count": {"count_reward": 0.1},
-    "grpo_size": {"numeric_reward": 0.06},
+    "grpo_size": {"numeric_reward": 0.05},
     # two tasks in one run, each row scored by its own task's reward (TaskReward): both must rise
     "grpo_mixed": {"multiple_choice_reward": 0.13, "ocr_reward": 0.05},
 }
