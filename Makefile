@@ -13,13 +13,18 @@ install:
 train: install
 	$(PY) train.py $(ARGS)
 
+# Test files run on TEST_WORKERS pytest-xdist workers, a file's tests on one worker (its module
+# fixtures, e.g. a vLLM report, are built once); conftest.py shares the cores among them.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile
+
 # Everything, slow learning and end-to-end tests included (CI runs this).
 test: install
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q $(XDIST) $(ARGS)
 
 # Without the slow learning/end-to-end tests.
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" $(ARGS)
+	$(PY) -m pytest -q -m "not slow" $(XDIST) $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -7,8 +7,14 @@ import os
 import pytest
 import torch
 
-# Two cores here and in CI: more threads only add contention.
-torch.set_num_threads(int(os.environ.get("LIGHTNING_VLM_TEST_THREADS", "2")))
+# Two cores here and in CI, shared by the pytest-xdist workers (`make test` starts two): more threads
+# than cores only add contention (oversubscribed OpenMP threads spin), so each worker and the processes
+# its tests start (OMP_NUM_THREADS) get their share of the two.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = os.environ.get("LIGHTNING_VLM_TEST_THREADS", str(max(1, 2 // _WORKERS)))
+torch.set_num_threads(int(_THREADS))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", _THREADS)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 
