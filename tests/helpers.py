@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -137,8 +138,6 @@ def mixed_rows(shape: str = "prompt", seed: int = 7) -> list[dict]:
 def fake_scontrol(tmp_path: Path) -> tuple[str, Path]:
     """A ``scontrol`` that records its arguments (one call a line) in the returned file; the first value is
     a PATH that finds it first. SLURM does not run here: this is the requeue's only witness."""
-    import os
-
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "scontrol_calls"

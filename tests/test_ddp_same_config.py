@@ -5,13 +5,13 @@ on with one learning rate per rank, without a sign."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from helpers import ROOT
+from lightning_vlm.serving.process import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.ddp]
 ARGS = ["method=sft", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "logger=none",
@@ -20,9 +20,7 @@ ARGS = ["method=sft", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices
 
 
 def test_ranks_with_different_configs_are_refused_naming_the_settings(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     tasks = []
     for rank, lr in ((0, "1e-3"), (1, "2e-3")):  # a command line edited for one process
         # started by hand, as a scheduler's tasks are: Lightning reads the ranks from the environment

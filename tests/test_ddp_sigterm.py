@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 
@@ -19,6 +18,7 @@ import torch
 from ddp_helpers import torchrun
 
 from helpers import ROOT, fake_scontrol
+from lightning_vlm.serving.process import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.ddp]
 # A validation follows step 3, the progress bar on: rank 0's bar syncs logged metrics where rank 1 does
@@ -51,9 +51,7 @@ def test_slurms_requeue_signal_on_one_task_stops_both_saves_and_requeues_once(tm
     # Lightning's auto-requeue handler saved from inside the signal handler on that rank alone, with the
     # checkpoint's collectives against the other's training, and trained on.
     path, calls = fake_scontrol(tmp_path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     term = ["+callbacks.term._target_=_kill9_scenarios.SigTerm", "+callbacks.term.at_step=3",
             "+callbacks.term.rank=1", "+callbacks.term.signum=SIGUSR1"]  # fmt: skip
     tasks = []
