@@ -151,13 +151,6 @@ def test_synthetic_is_deterministic_and_val_disjoint():
     assert [r["messages"] for r in all_rows(s1)] == [r["messages"] for r in all_rows(s2)]
 
 
-def test_val_fraction_holds_out_disjoint_rows():
-    dm = PromptDataModule(train={"path": "synthetic", "num_samples": 10}, val_fraction=0.3, seed=1)
-    dm.setup()
-    train, val = dm.train_dataset.indices, dm.val_dataset.indices
-    assert len(val) == 3 and len(train) == 7 and not set(train) & set(val)
-
-
 @pytest.mark.parametrize("kind", ["jsonl", "json", "parquet", "disk", "dict"])
 @pytest.mark.parametrize("shape", list(MODULES))
 def test_local_sources(folder, kind, shape):

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_vlm.data.held_out import prompt_key
 from lightning_vlm.data.images import WHITE
 from lightning_vlm.data.loaded import Source
 from lightning_vlm.data.resumable import ResumableDataLoader
@@ -232,19 +233,22 @@ class VLMDataModule(L.LightningDataModule):
 
     def _held_out(self, source: Source, indices: list[int]) -> set[int]:
         """The rows ``val_fraction`` holds out: a seeded sample (the same seed holds out the same rows) of
-        whole groups of rows (``group_of``), so no validation row shares its group with a training row."""
-        groups: dict[int, list[int]] = {}
+        whole prompts (``held_out.prompt_key``), so no validation row's prompt is also trained on."""
+        groups: dict[str, list[int]] = {}
         for i in indices:
-            groups.setdefault(self.group_of(source, i), []).append(i)
+            row = self.row_format.normalize(source.rows[i], i, source.name, source.dir_of(i), False)
+            groups.setdefault(prompt_key(row, self.shape), []).append(i)
         keys = list(groups)
+        if len(keys) < len(indices):
+            logger.info(
+                "data.val_fraction: %d rows share %d prompts (with their images); each prompt's rows are "
+                "held out together or trained on together",
+                len(indices), len(keys),
+            )  # fmt: skip
         held = random.Random(self.hparams.seed).sample(
             keys, max(1, round(self.hparams.val_fraction * len(keys)))
         )
         return {i for key in held for i in groups[key]}
-
-    def group_of(self, source: Source, index: int) -> int:
-        """The group of rows row ``index`` must stay with when rows are held out: itself."""
-        return index
 
     def _world(self) -> tuple[int, int]:
         """(rank, world size) of the Trainer this DataModule is attached to; (0, 1) without one."""
@@ -344,11 +348,6 @@ class UnpairedDataModule(VLMDataModule):
         kept = max(limit - 1, 2)
         logger.info("%d rows of %s: keeping %d, whole pairs (a pair is 2 rows)", limit, source.name, kept)
         return kept
-
-    def group_of(self, source: Source, index: int) -> int:
-        """A pair's two rows (``2i`` and ``2i + 1``: one prompt, one image set) stay together: held out
-        apart, validation would score prompts the model trained on."""
-        return index // 2 if isinstance(source.rows, UnpairedView) else index
 
     def label_counts(self) -> tuple[int, int]:
         """(desirable, undesirable) training rows (a pass over the text; images stay undecoded)."""
