@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import datasets
 import pytest
@@ -146,6 +147,23 @@ def test_template_naming_a_missing_column_names_file_row_and_column(tmp_path):
     dm = PromptDataModule(train=path, prompt_template="Solve: {problem}", on_bad_row="skip")
     dm.setup()
     assert dm.train_dataset.indices == [0] and dm.skipped == {"missing_column": 1}
+
+
+@pytest.mark.parametrize(
+    ("template", "value"),
+    [("{answers}", ["red", "crimson"]), ("A: {answers}", {"text": "red"}), ("{meta[answers]}", ("red",))],
+)
+def test_a_template_field_that_is_a_list_or_dict_is_refused_naming_it(template, value):
+    # VQAv2's `answers` (a list) was written as its Python repr, "['red', 'crimson']", and trained on.
+    fmt = RowFormat("sft", prompt_template="{q}", answer_template=template)
+    row = {"q": "Colour?", "answers": value, "meta": {"answers": value}}
+    field = template[template.index("{") + 1 : template.index("}")]
+    with pytest.raises(RowError, match=rf"row 3, column '(answers|meta)'.*\{{{re.escape(field)}\}} is a"):
+        fmt.normalize(row, 3, "data.jsonl", None, False)
+    # One item of it, or a number, is text
+    fmt = RowFormat("sft", prompt_template="{q} {n}", answer_template="{answers[0]}")
+    out = fmt.normalize({"q": "Colour?", "n": 2, "answers": ["red"]}, 0, "data.jsonl", None, False)
+    assert out["messages"][-1]["content"] == [{"type": "text", "text": "red"}]
 
 
 @pytest.mark.parametrize(

@@ -101,6 +101,26 @@ def template_columns(template: str, setting: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(roots))
 
 
+class _NotText(TypeError):
+    def __init__(self, field: str, value: Any) -> None:
+        self.column = field.split(".")[0].split("[")[0]
+        super().__init__(
+            f"{{{field}}} is a {type(value).__name__} ({str(value)[:60]}), which would be written as its Python "
+            f"repr; name one item of it (e.g. {{{field}[0]}}), or a column of text"
+        )
+
+
+class _TextFields(string.Formatter):
+    """``str.format`` that refuses a field whose value is a list or a dict (VQAv2's ``answers``): its repr,
+    brackets and quotes, would become the prompt or the answer trained on."""
+
+    def get_field(self, field_name: str, args: Any, kwargs: Any) -> Any:
+        value, first = super().get_field(field_name, args, kwargs)
+        if isinstance(value, Mapping | list | tuple | set):
+            raise _NotText(field_name, value)
+        return value, first
+
+
 def _fill(
     template: str, columns: tuple[str, ...], setting: str, row: Mapping, index: int, source: str
 ) -> str:
@@ -114,7 +134,9 @@ def _fill(
                 f"{setting}={template!r} names column {column!r}, which this row lacks (columns: {sorted(row)})",
             )
     try:
-        return template.format_map(row)
+        return _TextFields().vformat(template, (), row)
+    except _NotText as e:
+        raise RowError(source, index, e.column, "wrong_type", f"{setting}={template!r}: {e}") from None
     except (KeyError, IndexError, AttributeError, ValueError, TypeError) as e:
         raise RowError(
             source,
