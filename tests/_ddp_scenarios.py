@@ -14,6 +14,7 @@ A failing scenario is written to ``OUT/<name>.error`` (rank 0) and the next one 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -190,6 +191,7 @@ def collectives(out: Path) -> None:
             pooled = pooled_correction(metrics, mask, level)
             result[f"correction_{level}{tag}"] = {k: float(v) for k, v in pooled.items()}
     result["head_chunks"] = head_chunks(r)
+    result["ddp_one_empty"] = ddp_one_empty(r)
     (out / f"collectives-rank{r}.json").write_text(json.dumps(result))
 
 
@@ -226,6 +228,40 @@ def head_chunks(r: int) -> dict[str, list]:
         ]
         result[case] = [forward, GatheringHead.calls, bool(torch.allclose(logps, expected))]
     return result
+
+
+class ScoringToy(torch.nn.Module):
+    """A backbone and an LM head, scored as the methods score completions (``selective_logps``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        from lightning_vlm.models.logprobs import selective_logps
+
+        return selective_logps(self.body(x), targets, self.head, chunk_size=4)[0].sum()
+
+
+def ddp_one_empty(r: int) -> list[list[float]]:
+    """Two DDP steps (find_unused_parameters=False, as conf/trainer/ddp.yaml) in which rank 1 scores no
+    token, as when every completion of its micro-batch is masked as truncated. Its head got no gradient,
+    so DDP never reduced the head's bucket: rank 0 waited for it, and the job hung. Returns the head's
+    gradient in the last step, and (rank 0) that of its tokens alone, without DDP."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    local = ScoringToy()
+    model = DistributedDataParallel(copy.deepcopy(local), find_unused_parameters=False)
+    for step in range(2):
+        generator = torch.Generator().manual_seed(step)
+        n = 5 if r == 0 else 0
+        x, targets = torch.randn(n, 8, generator=generator), torch.randint(16, (n,), generator=generator)
+        model.zero_grad()
+        model(x, targets).backward()
+        local.zero_grad()
+        local(x, targets).backward()
+    return [model.module.head.weight.grad.flatten().tolist(), local.head.weight.grad.flatten().tolist()]
 
 
 def main() -> None:

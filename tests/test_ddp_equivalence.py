@@ -219,6 +219,12 @@ def test_collectives_take_a_different_number_of_rows_on_each_rank(two_processes)
         # Every rank calls an LM head that gathers its weights (ZeRO-3) as often as the rank with the most
         # chunks, in forward and in backward's recomputation; rank 1 called it once, or never: a hang.
         assert result["head_chunks"] == {"uneven": [3, 6, True], "one_empty": [3, 6, True]}
+    # A DDP step where rank 1 scores no token (all its completions masked): the head's gradient is rank 0's
+    # halved on both ranks. Rank 1's head got no gradient, and DDP waited for it forever.
+    alone = torch.tensor(results[0]["ddp_one_empty"][1])
+    assert alone.abs().max() > 0.01
+    for result in results:
+        torch.testing.assert_close(torch.tensor(result["ddp_one_empty"][0]), alone / 2)
     # The rollout correction's logged metrics are those of one process holding every rank's rows. They were
     # means (min, max) over ranks of each rank's values, and a rank without rows gave 0 for its ratios.
     for level in ("token", "sequence"):

@@ -73,3 +73,15 @@ def test_naive_reference_scores_token_t_from_position_t_minus_1():
     expected = torch.log_softmax(logits[0, 1], -1)[1]
     torch.testing.assert_close(logps[0, 2], expected)
     assert logps[0, 0] == 0
+
+
+def test_nothing_to_score_still_gives_the_head_a_gradient():
+    # Every completion of a micro-batch masked (truncated): the head was never called, so it had no
+    # gradient, and DDP (find_unused_parameters=False) waited for one forever (test_ddp_equivalence).
+    head, body = torch.nn.Linear(4, 6), torch.nn.Linear(4, 4)
+    hidden = body(torch.randn(0, 4))
+    logps, entropy, argmax = selective_logps(hidden, torch.zeros(0, dtype=torch.long), head, 1.0, True)
+    assert logps.shape == entropy.shape == argmax.shape == (0,)
+    (logps.sum() + entropy.sum()).backward()
+    for p in (*head.parameters(), *body.parameters()):
+        assert p.grad is not None and not p.grad.any()

@@ -82,7 +82,10 @@ def selective_logps(
     suppressed = None
     if suppressed_ids:
         suppressed = torch.as_tensor(list(suppressed_ids), dtype=torch.long, device=hidden.device)
-    chunks = math.ceil(hidden.shape[0] / chunk_size)
+    # At least one call, empty or not: with nothing to score (every completion of a micro-batch masked as
+    # truncated) the head still joins the graph and gets a (zero) gradient. Without one, DDP
+    # (find_unused_parameters=False) never reduced the head's bucket, and the other ranks waited for it.
+    chunks = max(1, math.ceil(hidden.shape[0] / chunk_size))
     if agree_chunks:
         chunks = int(all_reduce_max(torch.tensor([chunks], device=hidden.device)))
     logps, entropies, argmaxes = [], [], []
@@ -97,11 +100,6 @@ def selective_logps(
         logps.append(lp)
         entropies.append(ent)
         argmaxes.append(top)
-    if not logps:
-        # Nothing to score (e.g. every completion of a micro-batch masked as truncated): an empty result
-        # still tied to the graph, so the loss can be backpropagated (zero gradients) like any other.
-        empty = hidden.sum(dim=-1).float()
-        return empty, (empty if return_entropy else None), targets.new_zeros(0)
     return torch.cat(logps), (torch.cat(entropies) if return_entropy else None), torch.cat(argmaxes)
 
 
