@@ -71,6 +71,20 @@ def test_latex_numbers_in_numeric_rewards():
     assert numeric_reward([r"The area is \boxed{\frac{1}{2}}"], solution=["0.5"]) == [1.0]
 
 
+@pytest.mark.parametrize("power", ["123456789012^400", "9" * 5000 + "^2", "7^9000"])
+def test_a_power_too_long_to_write_out_scores_zero_and_is_left_as_written(power):
+    # str(int(base) ** exponent) past 4300 digits raised ValueError (Python's int-to-text limit): the
+    # reward raised, and with it the training step.
+    from lightning_vlm.rewards import accuracy_reward, numeric_reward
+    from lightning_vlm.rewards.accuracy import latex_numbers
+
+    completion = [[{"role": "assistant", "content": f"<answer>{power}</answer>"}]]
+    assert accuracy_reward(completion, solution=["3"]) == [0.0]
+    assert numeric_reward(completion, solution=["3"]) == [0.0]
+    assert latex_numbers(power) == power
+    assert latex_numbers("2^60 + 10^{3}") == "1152921504606846976 + 1000"
+
+
 def test_numbers_inside_names_are_not_read():
     from lightning_vlm.rewards.answers import parse_numbers
 

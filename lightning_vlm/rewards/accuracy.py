@@ -29,7 +29,7 @@ _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _FRAC = re.compile(r"\\[dt]?frac\s*\{\s*([^{}]*?)\s*\}\s*\{\s*([^{}]*?)\s*\}")
 # A whole exponent only ("4^0.5" is no power read here), after a base that is not a name's or a list's.
 _POWER = re.compile(
-    r"(?<![A-Za-z0-9^_.,])(\d+(?:\.\d+)?)\s*\^\s*(\{)?\s*([-+\u2212]?\d+)(?![\d.])\s*(?(2)\})"
+    r"(?<![A-Za-z0-9^_.,])(\d+(?:\.\d+)?)\s*\^\s*(\{)?\s*([-+\u2212]?\d+)(?![\d.])(?(2)\s*\})"
 )
 _TIMES_TEN = re.compile(r"(\d)\s*(?:\\times|\\cdot|\u00d7|x|\*)\s*10\s*\^\s*\{?\s*([-+\u2212]?\d+)\s*\}?")
 
@@ -69,6 +69,8 @@ def latex_numbers(text: str) -> str:
 def _power_value(match: re.Match) -> str:
     base, exponent = match.group(1), int(match.group(3).replace(chr(0x2212), "-"))
     if abs(exponent) > 400:  # 10^400 or 10^-400: no float holds it; left as written
+        return match.group(0)
+    if len(base) * max(exponent, 1) > 4000:  # past Python's int-to-text limit (4300 digits); no float either
         return match.group(0)
     if base.isdigit() and exponent >= 0:
         return str(int(base) ** exponent)  # exact: 2^60 is 1152921504606846976
