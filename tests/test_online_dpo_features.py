@@ -95,6 +95,22 @@ def test_online_dpo_step_follows_the_loss_penalty_and_skips_ties(
     assert metrics["train/rewards/accuracies"] == pytest.approx(0.5)
 
 
+def test_masked_truncated_completions_make_no_pair(setup):
+    # With mask_truncated_completions a truncated answer is no evidence: its log-probs were masked to 0,
+    # but its pair still trained, pushing the finished answer up against nothing (a one-sided DPO term).
+    path, rows, rollouts = setup
+    rewards = [1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 0.0, 3.0]  # the first two pairs: (finished, truncated), ...
+    pairs = [(7, 6)]  # ... the third a tie: one pair left
+    expected, _ = hand_update(path, rollouts, dpo_loss_by_hand("sigmoid", pairs))
+    update, metrics = step_update(path, OnlineDPO, rows, rollouts, reward_funcs=[table_reward(rollouts, rewards)],
+                                  beta=BETA, mask_truncated_completions=True)  # fmt: skip
+    assert_same_update(update, expected)
+    assert metrics["train/valid_pair_frac"] == pytest.approx(1 / 4)
+    # missing_eos_penalty makes a truncated answer the rejected one, which the mask leaves out: refused
+    with pytest.raises(ValueError, match="mask_truncated_completions.*missing_eos_penalty"):
+        OnlineDPO(VLM(path), optimizer=None, missing_eos_penalty=1.0, mask_truncated_completions=True)
+
+
 def test_candidates_pair_the_best_with_the_worst():
     from lightning_vlm.methods.online_dpo import best_and_worst
 

@@ -80,6 +80,11 @@ class OnlineDPO(OnlineRL):
                 "Online DPO applies no importance-sampling correction (its DPO loss takes no ratio to the "
                 "sampler): set method.vllm_importance_sampling_correction=false"
             )
+        if online.get("mask_truncated_completions") and missing_eos_penalty is not None:
+            raise ValueError(
+                "method.mask_truncated_completions drops every pair with a truncated answer (no evidence either "
+                "way), the answers method.missing_eos_penalty makes the rejected ones: set one of them"
+            )
         micro = online.get("micro_batch_size")
         if micro is not None and micro % 2:
             raise ValueError(f"micro_batch_size must be even so pairs stay together, got {micro}")
@@ -146,6 +151,10 @@ class OnlineDPO(OnlineRL):
         pairs = rewards.view(-1, 2)
         # A tie (or a missing score) says nothing about which answer is better: no pair, no gradient.
         valid = ~pairs.isnan().any(-1) & (pairs[:, 0] != pairs[:, 1])
+        if self.hparams.mask_truncated_completions:
+            # A masked (truncated) answer has no log-probs: its pair would push the other up against nothing.
+            cut = torch.tensor(batch.rollouts.truncated, device=valid.device).view(-1, 2)
+            valid &= ~cut.any(-1)
         first_chosen = pairs[:, 0] > pairs[:, 1]
         batch.extras.update(pair_valid=valid, first_chosen=first_chosen)
         sign = torch.stack([first_chosen, ~first_chosen], -1).to(rewards.dtype) * 2 - 1
