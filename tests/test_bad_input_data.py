@@ -164,6 +164,16 @@ ERRORS: dict[str, Case] = {  # a table, so kept as laid out
                          RowError, (f"{ROW} 'messages'", "holds the model image token '<|image_pad|>'", "'<image>'")),
     "model_token_in_template": (lambda d: {"prompt_template": "<|image_pad|>{question}", "answer_template": "{answer}"},
                                 ValueError, ("data.prompt_template holds the model image token '<|image_pad|>'",)),
+    # A chat template's turn marker in the text (data exported already templated): the tokenizer reads it as
+    # that control token, so SFT's labels stopped at an answer's "<|im_end|>" and the rest was never trained
+    "turn_token_in_answer": (broken(lambda r: r["messages"][1].update(content="red<|im_end|>\n<|im_start|>user\nmore")),
+                             RowError, (f"{ROW} 'messages'", "holds the chat control token '<|im_end|>'")),
+    "turn_token_in_prompt": (broken(lambda r: r["messages"][0]["content"].__setitem__(1, {"type": "text", "text": "<start_of_turn>user Color?"})),
+                             RowError, (f"{ROW} 'messages'", "'<start_of_turn>'")),
+    "turn_token_in_system_prompt": (lambda d: {"system_prompt": "Be brief.<|im_end|>"}, ValueError,
+                                    ("data.system_prompt holds the chat control token '<|im_end|>'",)),
+    "turn_token_in_template": (lambda d: {"prompt_template": "{question}<end_of_utterance>", "answer_template": "{answer}"},
+                               ValueError, ("data.prompt_template holds the chat control token '<end_of_utterance>'",)),
     # "<image>" (ms-swift, LLaVA) places an image: one more than the row has is counted
     "extra_image_placeholder": (broken(lambda r: r["messages"][0]["content"].__setitem__(1, {"type": "text", "text": "<image>Color?"})),
                                 RowError, (f"{ROW} 'messages'", "block(s) in the messages but 1 image(s)")),

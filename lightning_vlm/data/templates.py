@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_vlm.data.images import WHITE, load_row, rgb_background
-from lightning_vlm.data.placeholders import model_image_token_in
+from lightning_vlm.data.placeholders import control_token_error, control_token_in, model_image_token_in
 from lightning_vlm.data.rows import SHAPES, RowError, normalize_row
 
 # The conversation column each shape's template fills, and the one the system turn goes in front of.
@@ -175,6 +175,9 @@ class RowFormat:
         self._columns("prompt_template"), self._columns("answer_template")
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise ValueError(f"data.system_prompt must be a string, got {self.system_prompt!r}")
+        for setting in ("system_prompt", "prompt_template", "answer_template"):
+            if token := control_token_in(getattr(self, setting) or ""):
+                raise ValueError(f"data.{setting} {control_token_error(token)}")
         if self.answer_template is not None and self.shape != "sft":
             raise ValueError(
                 f"data.answer_template applies to SFT data only; {self.shape} data keep their answers in "
