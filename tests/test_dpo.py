@@ -256,3 +256,19 @@ def test_a_max_length_that_cuts_a_pair_to_the_same_tokens_warns(vlm, caplog):
         encode_pairs(vlm, rows, max_length=longest + 2)
     cut = f"max_length={longest + 2} cut both answers of 2 pairs of this batch to the same tokens"
     assert cut in caplog.text
+
+
+def test_a_pair_the_template_renders_alike_warns(tiny_path, caplog):
+    # Real Gemma 3's template trims each text: "Yes" and "Yes\n" (different rows, so accepted) became the
+    # same tokens, and the pair's loss a constant (log 2), trained on nothing without a word.
+    vlm = VLM(tiny_path("gemma3"))
+    template = vlm.processor.chat_template
+    vlm.processor.chat_template = template.replace("{{ block['text'] }}", "{{ block['text'] | trim }}")
+    assert vlm.processor.chat_template != template
+    rows = synthetic_rows("preference", 2, seed=1)
+    rows[0]["chosen"] = [{"role": "assistant", "content": [{"type": "text", "text": "Yes"}]}]
+    rows[0]["rejected"] = [{"role": "assistant", "content": [{"type": "text", "text": "Yes\n"}]}]
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
+        encode_pairs(vlm, rows)
+    assert "both answers of 1 pair of this batch render to the same tokens" in caplog.text
+    assert "What" in caplog.text  # the row, by its question

@@ -9,6 +9,7 @@ vision tower runs once per pair (see ``lightning_vlm.models.vision_cache``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ import torch
 from lightning_vlm.models.encoding import assistant_char_spans, row_summary, warn_trains_on_nothing
 from lightning_vlm.models.image_tokens import repeat_samples
 from lightning_vlm.models.vision_cache import repeated_groups, with_image_groups
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -88,6 +91,8 @@ def _prompts_and_answers(
         for column in columns:
             completions.append(answer_ids(vlm, row["prompt"], row[column], f"row {i}, {column!r}"))
     differ = [completions[k * i] != completions[k * i + 1] for i in range(len(rows))] if k == 2 else []
+    if tuple(columns) == ("chosen", "rejected"):
+        _warn_rendered_alike(rows, differ)
     if max_length is not None:
         prompt_len = prompts["attention_mask"].sum(dim=1)
         for i, length in enumerate(prompt_len.tolist()):
@@ -112,6 +117,20 @@ def _warn_cut_to_one_answer(
     loss is a constant (DPO's log 2), so it trains on nothing."""
     same = [i for i in range(len(rows)) if differed[i] and completions[2 * i] == completions[2 * i + 1]]
     warn_trains_on_nothing(max_length, rows, same, "both answers of", "pair", " to the same tokens")
+
+
+def _warn_rendered_alike(rows: list[dict], differ: list[bool]) -> None:
+    """Says when a pair's two answers, different texts (rows.py refuses equal ones), are the same tokens
+    once templated (a template that trims each text: "Yes" and "Yes\\n"): its loss is a constant (DPO's
+    log 2), so it trains on nothing."""
+    same = [i for i, d in enumerate(differ) if not d]
+    if same:
+        log.warning(
+            "both answers of %d pair%s of this batch render to the same tokens (e.g. %s): the chat template "
+            "trims or rewrites them, and such a pair trains on nothing. Make the answers differ in more than "
+            "whitespace",
+            len(same), "s" if len(same) > 1 else "", row_summary(rows[same[0]]),
+        )  # fmt: skip
 
 
 def _blocks(message: dict) -> list[dict]:
