@@ -272,3 +272,38 @@ def test_a_pair_the_template_renders_alike_warns(tiny_path, caplog):
         encode_pairs(vlm, rows)
     assert "both answers of 1 pair of this batch render to the same tokens" in caplog.text
     assert "What" in caplog.text  # the row, by its question
+
+
+def test_two_runs_sharing_a_reference_cache_folder_both_save_and_a_damaged_file_is_skipped(
+    tmp_path, monkeypatch, caplog
+):
+    # A sweep's jobs sharing method.ref_cache_dir wrote one temporary name (ref-logps-<key>-rank0.tmp), so
+    # one job's rename could take the other's file, and the last writer's file dropped the other's rows.
+    import threading
+
+    rows = synthetic_rows("preference", 6, seed=1)
+    a, b, c = (ReferenceLogpCache(tmp_path, "k") for _ in range(3))
+    a.put(rows[:2], torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]))
+    b.put(rows[2:4], torch.tensor([5.0, 6.0]), torch.tensor([7.0, 8.0]))
+    c.put(rows[4:], torch.tensor([9.0, 9.5]), torch.tensor([0.0, 0.5]))
+    save, others = torch.save, []
+
+    def meanwhile(obj, path, *args, **kwargs):  # another job saves while a's file is being written
+        if not others:
+            others.append(threading.Thread(target=b.save))
+            others[0].start()
+            others[0].join(timeout=1.0)  # it waits for a's write to end
+        save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", meanwhile)
+    a.save()
+    others[0].join()
+    c.save()
+    assert ReferenceLogpCache(tmp_path, "k").missing(rows) == []
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
+    # A damaged file (a copy cut short) is named and skipped: its rows are computed again
+    (tmp_path / "ref-logps-k-rank1.pt").write_bytes(b"PK\x03\x04 cut short")
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
+        cache = ReferenceLogpCache(tmp_path, "k")
+    assert "ref-logps-k-rank1.pt" in caplog.text and "computed again" in caplog.text
+    assert cache.missing(rows) == []

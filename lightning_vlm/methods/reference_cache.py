@@ -10,8 +10,10 @@ is ever invalidated by hand.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,6 +21,10 @@ from pathlib import Path
 import torch
 from PIL import Image
 from transformers import PreTrainedTokenizerBase, ProcessorMixin
+
+from lightning_vlm.checkpoint_io import temp_name
+
+log = logging.getLogger(__name__)
 
 # Bump when the meaning of a stored value changes (e.g. how answers are tokenised). 2: prompts start with
 # the tokenizer's BOS where the template writes none (chat_render.adds_bos: LLaVA-1.5, LLaVA-NeXT-Mistral).
@@ -100,7 +106,7 @@ class ReferenceLogpCache:
     def reload(self) -> None:
         """Merge in every rank's file (after all ranks saved theirs, e.g. behind a barrier)."""
         for file in sorted(self.directory.glob(f"ref-logps-{self.key}-rank*.pt")):
-            self.values.update(torch.load(file, weights_only=True))
+            self.values.update(_read(file))
 
     def __len__(self) -> int:
         return len(self.values)
@@ -129,11 +135,29 @@ class ReferenceLogpCache:
         self.dirty = True
 
     def save(self) -> None:
-        """Write atomically (a reader never sees half a file)."""
+        """Write atomically (a reader never sees half a file), merged with what other runs sharing the folder
+        (a sweep's jobs) wrote since: one writer at a time, each under a temporary name of its own."""
         if not self.dirty:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        torch.save(self.values, tmp)
-        os.replace(tmp, self.path)
+        with open(self.directory / f".{self.path.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self.values = {**(_read(self.path) if self.path.is_file() else {}), **self.values}
+            tmp = temp_name(self.path)
+            try:
+                torch.save(self.values, tmp)
+                os.replace(tmp, self.path)
+            finally:
+                tmp.unlink(missing_ok=True)
         self.dirty = False
+
+
+def _read(file: Path) -> dict[str, tuple[float, float]]:
+    """One cache file's values; a damaged one (a copy cut short) is named and skipped: its rows are computed
+    again, where it raised inside ``torch.load`` at every later run's start."""
+    try:
+        return torch.load(file, weights_only=True)
+    except Exception as err:
+        log.warning("reference log-probs in %s could not be read (%s: %s): skipped, its rows are computed again",
+                    file, type(err).__name__, str(err).splitlines()[0] if str(err) else "")  # fmt: skip
+        return {}
