@@ -50,7 +50,9 @@ def encode_pairs(
     vlm, rows: list[dict], max_length: int | None = None, one_vision_pass: bool = True
 ) -> PairBatch:
     """Preference rows -> :class:`PairBatch`; ``max_length`` cuts answers (never the prompt) from the right."""
-    prompts, completions = _prompts_and_answers(vlm, rows, max_length, ("chosen", "rejected"))
+    prompts, completions = _prompts_and_answers(
+        vlm, rows, max_length, ("chosen", "rejected"), warn_alike=True
+    )
     inputs = vlm.encode_prompt_completion(repeat_samples(prompts, 2, vlm.config), completions)
     if one_vision_pass:
         inputs = with_image_groups(inputs, repeated_groups(len(rows), 2))
@@ -74,10 +76,11 @@ def encode_columns(vlm, rows: list[dict], max_length: int | None, columns: Seque
 
 
 def _prompts_and_answers(
-    vlm, rows: list[dict], max_length: int | None, columns: Sequence[str]
+    vlm, rows: list[dict], max_length: int | None, columns: Sequence[str], warn_alike: bool = False
 ) -> tuple[dict, list[list[int]]]:
     """The encoded prompts [B] and the answers' token ids (entry ``k·i + j``: row i's ``columns[j]``), each
-    answer cut to what ``max_length`` leaves after its prompt."""
+    answer cut to what ``max_length`` leaves after its prompt. ``warn_alike``: the rows are a user's
+    preference pairs (not KTO's own pairing of an answer with another row's, which may repeat it)."""
     for i, row in enumerate(rows):
         for column in columns:
             if any(b.get("type") == "image" for m in row[column] for b in _blocks(m)):
@@ -91,7 +94,7 @@ def _prompts_and_answers(
         for column in columns:
             completions.append(answer_ids(vlm, row["prompt"], row[column], f"row {i}, {column!r}"))
     differ = [completions[k * i] != completions[k * i + 1] for i in range(len(rows))] if k == 2 else []
-    if tuple(columns) == ("chosen", "rejected"):
+    if warn_alike:
         _warn_rendered_alike(rows, differ)
     if max_length is not None:
         prompt_len = prompts["attention_mask"].sum(dim=1)
