@@ -11,13 +11,15 @@ Nothing is fsynced either, so a machine crash can leave a renamed file with no d
 then ``os.replace``-s it onto the target (atomic within one filesystem) and fsyncs the folder: the
 target is always either the previous complete checkpoint or the new complete one. Set on the trainer
 through ``trainer.plugins`` (``conf/trainer/default.yaml``). Strategies that write folders themselves
-(FSDP's sharded checkpoints, DeepSpeed's) do not call ``save_checkpoint`` and are unaffected.
+do not call ``save_checkpoint``: FSDP's sharded checkpoints are swapped in whole instead
+(``parallel/folder_swap.py``); DeepSpeed's are written in place, as DeepSpeed writes them.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -49,7 +51,16 @@ def stale_temps(target: Path) -> list[Path]:
     return sorted(target.parent.glob(f".{target.name}.*{TEMP_SUFFIX}"))
 
 
-def _fsync_folder(folder: Path) -> None:
+def remove_leftover(path: Path) -> None:
+    """Removes a killed write's temporary file, or folder (a sharded save's: ``parallel/folder_swap.py``)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def fsync_folder(folder: Path) -> None:
+    """Makes renames in ``folder`` durable (where the platform lets a folder be synced)."""
     # The rename is durable only once the folder's entry is on disk (POSIX); some filesystems and
     # platforms cannot open a folder for fsync, and the file's own data is already synced then.
     try:
@@ -93,9 +104,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             # temporary one, removed by the next complete write of this target (below).
             temp.unlink(missing_ok=True)
             raise
-        _fsync_folder(target.parent)
+        fsync_folder(target.parent)
         for leftover in stale_temps(target):
-            leftover.unlink(missing_ok=True)
+            remove_leftover(leftover)
 
     def write(self, checkpoint: dict[str, Any], file: IO[bytes]) -> None:
         """Serialises ``checkpoint`` into the open temporary ``file``, streamed: no second copy in memory

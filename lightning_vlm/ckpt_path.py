@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_vlm.checkpoint_io import CheckpointLoadError
+from lightning_vlm.parallel.folder_swap import set_aside
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,18 @@ def check_ckpt_path(ckpt_path: str | None) -> None:
             "weights_only=True). Download the checkpoint and pass its path."
         )
     if not Path(ckpt_path).exists():
-        raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such file or folder")
+        raise FileNotFoundError(
+            f"ckpt_path={ckpt_path!r}: no such file or folder{_set_aside_hint(Path(ckpt_path))}"
+        )
+
+
+def _set_aside_hint(target: Path) -> str:
+    """Where a sharded save killed between its two renames left the previous checkpoint (folder_swap.py)."""
+    kept = set_aside(target)
+    if not kept:
+        return ""
+    return (f"; a save of it was killed while putting the new checkpoint in place, and the previous complete one "
+            f"is kept as {kept[-1]}: move it back (mv {kept[-1]} {target}) to resume from it")  # fmt: skip
 
 
 def _loadable(path: Path, given: str, trainer: L.Trainer) -> str:
@@ -139,6 +151,9 @@ def _keyword(keyword: str, trainer: L.Trainer, resuming: bool) -> str | None:
         Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)
     )
     where = ", ".join(map(str, folders)) or "none: no checkpoint callback"
+    for folder in folders:
+        if hint := _set_aside_hint(folder / "last.ckpt"):
+            raise FileNotFoundError(f"ckpt_path=last: no {folder / 'last.ckpt'}{hint}")
     if keyword == "last" and resuming:
         log.warning("ckpt_path=last: no last.ckpt in %s, so training starts from the initial weights (a "
                     "run resumes its own folder only when hydra.run.dir is pinned)", where)  # fmt: skip

@@ -12,13 +12,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from transformers import PretrainedConfig
 
+from lightning_vlm.checkpoint_io import temp_name
 from lightning_vlm.models.families import FAMILIES, family_of
+from lightning_vlm.parallel.folder_swap import swap_in
 
 
 def layer_classes(module: torch.nn.Module) -> set[type[torch.nn.Module]]:
@@ -128,6 +131,20 @@ class VLMFSDPStrategy(FSDPStrategy):
             self.kwargs.pop("auto_wrap_policy", None)
         self._root = super()._setup_model(model)
         return self._root
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Lightning's save; a sharded checkpoint (a folder) is written beside ``filepath`` and swapped in
+        once every rank has written its shard (``folder_swap.py``): Lightning's wrote into the previous
+        checkpoint's folder, and a kill mid-save left neither checkpoint whole."""
+        target = Path(str(filepath))
+        if self._state_dict_type != "sharded" or "://" in str(filepath):
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        temp = Path(self.broadcast(str(temp_name(target))))  # rank 0's name, on every rank
+        super().save_checkpoint(checkpoint, temp, storage_options)
+        self.barrier("lightning_vlm.sharded_checkpoint_written")
+        if self.global_rank == 0:
+            swap_in(temp, target)
+        self.barrier("lightning_vlm.sharded_checkpoint_in_place")
 
 
 # Module names FSDP and its activation checkpointing insert between a module and its children.
