@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.callbacks import Checkpoint, LearningRateMonitor, ProgressBar
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 import lightning_vlm.config  # noqa: F401  (registers the ${tiny_vlm:...} and ${run_stamp:...} resolvers)
 from lightning_vlm.callbacks.completions import LogCompletions
@@ -24,7 +24,13 @@ from lightning_vlm.callbacks.epoch_metrics import EpochMetricsEverywhere
 from lightning_vlm.callbacks.export import publish_after_fit
 from lightning_vlm.callbacks.resume import BatchCountAfterResume, NextEpochAfterRestart
 from lightning_vlm.callbacks.rng_states import RngStates
-from lightning_vlm.callbacks.run_identity import RunIdentity, check_run_identity, warn_unapplied_optimizer
+from lightning_vlm.callbacks.run_identity import (
+    RunIdentity,
+    check_run_identity,
+    check_time_budget,
+    warn_changed_settings,
+    warn_unapplied_optimizer,
+)
 from lightning_vlm.callbacks.run_report import RunReport, finish_reports
 from lightning_vlm.callbacks.same_config import SameConfig
 from lightning_vlm.callbacks.sigterm import SyncedSigterm, raise_on_sigterm, requeue_if_asked
@@ -35,6 +41,7 @@ from lightning_vlm.loggers import WandbRunId, builds_wandb, ending_runs, start_r
 from lightning_vlm.models.scale_guard import check_model_scale
 from lightning_vlm.parallel.collectives import launcher_rank, world_size
 from lightning_vlm.parallel.teardown import shut_down_at_exit
+from lightning_vlm.seeding import drawn_seed
 from lightning_vlm.settings_check import check_settings
 
 log = logging.getLogger(__name__)
@@ -116,6 +123,9 @@ def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
     warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
     check_settings(cfg)  # settings that would fail later with a traceback, refused naming the setting
     offline_if_unreachable(cfg)  # a missing model or dataset named at once, not after minutes of retries
+    if "seed" in cfg and cfg.seed is None:
+        with open_dict(cfg):
+            cfg.seed = drawn_seed()  # data.seed (${seed}) and every other ${seed} follow
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     if cfg.get("float32_matmul_precision"):
@@ -211,6 +221,23 @@ def _train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     }
 
 
+def _warn_steps_ended_epochs(trainer: L.Trainer) -> None:
+    """Says when ``trainer.max_steps`` (which every method's config sets) ended a run given
+    ``trainer.max_epochs`` before those epochs were done: Lightning stops at whichever limit comes first,
+    without a word, so ``max_epochs=3`` (TRL's ``num_train_epochs``) trained part of the epochs."""
+    epochs, steps = trainer.max_epochs, trainer.max_steps
+    if epochs in (None, -1) or steps in (None, -1) or trainer.global_step < steps:
+        return
+    # Lightning counts the epoch a stop cut short as done too: current_epoch is the (1-based) one it was in.
+    finished = trainer.current_epoch - (0 if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch else 1)
+    if finished < epochs:
+        log.warning(
+            "trainer.max_steps=%d ended the run in epoch %d of trainer.max_epochs=%d (Lightning stops at "
+            "whichever limit comes first): set trainer.max_steps=-1 to train by epochs",
+            steps, trainer.current_epoch, epochs,
+        )  # fmt: skip
+
+
 def _fit(
     cfg: DictConfig, trainer: L.Trainer, module: L.LightningModule, datamodule: L.LightningDataModule
 ) -> tuple[dict[str, float], dict[str, float]]:
@@ -222,6 +249,8 @@ def _fit(
     check_run_identity(ckpt_path, entries, module, cfg.model.model_name_or_path)
     optimizer = OmegaConf.to_container(cfg.method.get("optimizer") or {}, resolve=True)
     warn_unapplied_optimizer(ckpt_path, entries, optimizer)
+    check_time_budget(ckpt_path, entries, trainer)
+    warn_changed_settings(ckpt_path, entries, module.hparams)
 
     for lg in trainer.loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
@@ -248,6 +277,7 @@ def _fit(
             initial = {k: float(v) for k, v in results[0].items()}
             log.info("Metrics before training (%s): %s", ckpt_path or "initial weights", initial)
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+    _warn_steps_ended_epochs(trainer)
     wanted = cfg.get("optimized_metric")
     stale = wanted in trainer.callback_metrics and not validated_final_step(trainer)
     if (

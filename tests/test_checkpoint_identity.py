@@ -122,3 +122,23 @@ def test_an_optimizer_setting_a_resume_cannot_apply_is_named(dpo_ckpt, tmp_path,
             )
         )
     assert not [r for r in caplog.records if "not applied" in r.getMessage()]
+
+
+def test_method_settings_changed_since_the_checkpoint_are_named(dpo_ckpt, tmp_path, caplog):
+    # method.beta or loss_type changed on a resume applied from the resumed step on, without a word: the
+    # run's results were those of neither setting.
+    _, ckpt = dpo_ckpt
+    resume = [*RUN, "method=dpo", "trainer.max_steps=2", f"ckpt_path={ckpt}"]
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
+        train(compose_train([*resume, "method.beta=0.25", "method.loss_type=[sigmoid,sft]"], tmp_path / "a"))
+    (warning,) = [
+        r.getMessage() for r in caplog.records if "trained with other method settings" in r.getMessage()
+    ]
+    stored = torch.load(ckpt, map_location="cpu", weights_only=True)["hyper_parameters"]["beta"]
+    assert stored != 0.25 and f"method.beta=0.25 (checkpoint: {stored!r})" in warning
+    assert "method.loss_type=['sigmoid', 'sft'] (checkpoint: ['sigmoid'])" in warning
+    assert "label_smoothing" not in warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
+        train(compose_train(resume, tmp_path / "b"))
+    assert "trained with other method settings" not in caplog.text

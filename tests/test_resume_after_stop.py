@@ -5,6 +5,8 @@ weights. It used to resume at the next epoch: Lightning closes the epoch before 
 
 from __future__ import annotations
 
+import logging
+
 import lightning as L
 import pytest
 import torch
@@ -96,8 +98,16 @@ def test_trainer_max_time_as_the_readme_writes_it_stops_fit_and_saves_last(tmp_p
     _, out = train(compose_train([*COMMON[:-1], *budget], tmp_path))
     step = out["trainer"].global_step
     assert 0 < step < 100000
-    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    saved = torch.load(last, map_location="cpu", weights_only=True)
     assert saved["global_step"] == step
+    # Resumed with the same budget, Lightning (which counts the time across resumes) stopped before the
+    # first step and the run exited 0, having trained nothing: refused, naming the setting.
+    with pytest.raises(ValueError, match=r"trainer.max_time=0:00:01 .* raise trainer.max_time to train on"):
+        train(compose_train([*COMMON[:-1], *budget, f"ckpt_path={last}"], tmp_path / "same_budget"))
+    more = ["trainer.max_time=00:01:00:00", f"trainer.max_steps={step + 2}", "trainer.limit_val_batches=0"]
+    _, out = train(compose_train([*COMMON[:-1], *more, f"ckpt_path={last}"], tmp_path / "more_time"))
+    assert out["trainer"].global_step == step + 2
 
 
 def test_sigterm_at_a_batch_a_validation_follows_saves_before_validating(tmp_path):
@@ -124,3 +134,19 @@ def test_sigterm_at_a_batch_a_validation_follows_saves_before_validating(tmp_pat
     a, b = _weights(straight), _weights(resumed)
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("max_steps", [10, -1])
+def test_max_steps_ending_a_run_given_max_epochs_is_said(max_steps, tmp_path, caplog):
+    # Every method's config sets trainer.max_steps: trainer.max_epochs=3 (TRL's num_train_epochs) stopped
+    # at the step limit, part-way through the epochs, without a word.
+    epochs = ["trainer.max_epochs=3", f"trainer.max_steps={max_steps}", "trainer.limit_val_batches=0"]
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
+        _, out = train(compose_train([*COMMON[:-1], *epochs], tmp_path))
+    per_epoch = out["trainer"].num_training_batches
+    if max_steps == 10:
+        assert per_epoch < 10 < 3 * per_epoch and out["trainer"].global_step == 10
+        assert "trainer.max_steps=10 ended the run in epoch 2 of trainer.max_epochs=3" in caplog.text
+        assert "set trainer.max_steps=-1 to train by epochs" in caplog.text
+    else:
+        assert out["trainer"].global_step == 3 * per_epoch and "ended the run" not in caplog.text

@@ -11,11 +11,15 @@ without one load as before).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
+from lightning.pytorch.callbacks import Timer
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_vlm.models.reference import same_weights
 
@@ -114,3 +118,50 @@ def warn_unapplied_optimizer(
 def _plain(value: Any) -> Any:
     """Settings as comparable values: a list and a tuple of the same numbers (betas) are one setting."""
     return [float(v) for v in value] if isinstance(value, list | tuple) else value
+
+
+def check_time_budget(ckpt_path: str | None, entries: Mapping[str, Any], trainer: L.Trainer) -> None:
+    """Refuses a resume whose ``trainer.max_time`` the checkpoint has already used up: Lightning's Timer counts
+    the training time across resumes, so the run stopped at once and exited 0, having trained nothing (a
+    scheduler's requeue then looped, and an export published the old weights as the final ones)."""
+    timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+    budget = timer.time_remaining() if timer is not None else None  # the whole budget: nothing ran yet
+    if budget is None:
+        return
+    used = ((entries.get("callbacks") or {}).get(timer.state_key) or {}).get("time_elapsed", {}).get("train")
+    if used is not None and used >= budget:
+        raise ValueError(
+            f"ckpt_path={ckpt_path!r} has trained for {timedelta(seconds=round(used))} of trainer.max_time="
+            f"{timedelta(seconds=round(budget))} (Lightning counts the time across resumes), so this run would "
+            "stop before its first step: raise trainer.max_time to train on"
+        )
+
+
+def _as_json(value: Any) -> str | None:
+    """A setting as comparable text (a tuple and a list of the same values alike); None for an object
+    (a reward function, a partial): those are compared by the checks above, or not at all."""
+    if isinstance(value, DictConfig | ListConfig):
+        value = OmegaConf.to_container(value, resolve=True)
+    try:
+        return json.dumps(value, sort_keys=True)
+    except (TypeError, ValueError):
+        return None
+
+
+def warn_changed_settings(
+    ckpt_path: str | None, entries: Mapping[str, Any], hparams: Mapping[str, Any]
+) -> None:
+    """Warns, naming them, of the method settings (``beta``, ``loss_type``, ``num_generations``, ...) that differ
+    from those ``ckpt_path`` trained with: the resumed run applies its own from here on, which may be meant
+    (a lower rate for the rest of the run) or a config edited since, and its results differ either way."""
+    stored = entries.get("hyper_parameters") or {}
+    changed = [
+        f"method.{key}={ours!r} (checkpoint: {stored[key]!r})"
+        for key, ours in hparams.items()
+        if key in stored and None not in (a := _as_json(ours), b := _as_json(stored[key])) and a != b
+    ]
+    if changed:
+        log.warning(
+            "ckpt_path=%r trained with other method settings; the resumed run goes on with this run's: %s",
+            ckpt_path, ", ".join(changed),
+        )  # fmt: skip
