@@ -16,9 +16,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hydra.utils import get_class
 from omegaconf import DictConfig
 
 from lightning_vlm.ckpt_path import check_ckpt_path
+from lightning_vlm.counts import check_count
 from lightning_vlm.data.sources import located_sources
 from lightning_vlm.methods.dynamic_sampling import DynamicSampling
 from lightning_vlm.models.model_source import check_model_source
@@ -28,21 +30,11 @@ def _number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def check_count(setting: str, value: Any, allow_none: bool = True, hint: str = "") -> None:
-    """Raise ``ValueError`` naming ``setting`` unless ``value`` is a whole number > 0 (or None if allowed):
-    sizes and counts (rows, tokens, completions), which a 2.5 breaks far from the setting."""
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        null = " or null" if allow_none else ""
-        raise ValueError(f"{setting} must be a whole number > 0{null}, got {value!r}{hint}")
-
-
 def check_settings(cfg: DictConfig) -> None:
     """Refuse settings of a composed train/eval config that would fail later with a traceback."""
     trainer, data = cfg.get("trainer") or {}, cfg.get("data") or {}
     method, model = cfg.get("method") or {}, cfg.get("model") or {}
-    online = "num_generations" in method  # GRPO, GSPO, RLOO, Online DPO
+    online = _check_data_shape(method, data)  # GRPO, GSPO, RLOO, Online DPO
     _check_trainer(trainer, online)
     # val_batch_size null: batch_size's; batch_size null would make the loader yield single rows.
     for key, allow_none in (("batch_size", False), ("val_batch_size", True)):
@@ -69,6 +61,38 @@ def check_settings(cfg: DictConfig) -> None:
         _check_online_trainer(trainer, method, data)
         _check_vllm_correction(method, cfg.get("callbacks") or {})
         _check_vllm_temperature(method, cfg.get("callbacks") or {})
+
+
+def _target_class(node: Any) -> type | None:
+    """The class a config node's ``_target_`` names; None without one, or where it does not import (then
+    instantiating it says why)."""
+    target = node.get("_target_") if isinstance(node, Mapping) else None
+    if not isinstance(target, str):
+        return None
+    try:
+        found = get_class(target)
+    except Exception:
+        return None
+    return found if isinstance(found, type) else None
+
+
+def _check_data_shape(method: Any, data: Any) -> bool:
+    """Refuses data of another shape than the method trains on (``method=grpo data=sft``: a ``KeyError:
+    'prompt'`` after the model loaded); returns whether the method is an online one. Decided by the classes,
+    not by the keys: ``+method.num_generations=3`` (Hydra's own advice for a key DPO lacks) made DPO an
+    online method here, and its refusal named a setting DPO does not have."""
+    from lightning_vlm.methods.online import OnlineRL
+
+    method_class, data_class = _target_class(method), _target_class(data)
+    if method_class is None:  # a method node without a target: judged by its keys
+        return "num_generations" in method
+    wants, has = getattr(method_class, "data_shape", None), getattr(data_class, "shape", None)
+    if wants and has and wants != has:
+        raise ValueError(
+            f"method {method_class.__name__} trains on {wants} rows, but data is {data_class.__name__} ({has} "
+            f"rows): drop the data= override (the method's config selects data={wants}), or pass data={wants}"
+        )
+    return issubclass(method_class, OnlineRL)
 
 
 def _check_trainer(trainer: Any, online: bool) -> None:

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_vlm.counts import check_count
 from lightning_vlm.data.held_out import prompt_key
 from lightning_vlm.data.images import WHITE
 from lightning_vlm.data.loaded import Source
@@ -30,7 +31,6 @@ from lightning_vlm.data.sources import load_source, plain
 from lightning_vlm.data.templates import RowFormat
 from lightning_vlm.data.unpair import UnpairedView, unpair
 from lightning_vlm.data.val_batches import BatchedRows, ShardBatches
-from lightning_vlm.settings_check import check_count
 
 logger = logging.getLogger("lightning_vlm.data")
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torchmetrics import MeanMetric
 
+from lightning_vlm.counts import check_count
 from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.losses.preference import PreferenceInputs, RunningMean, weighted_preference_loss
 from lightning_vlm.methods.common import (
@@ -46,7 +47,6 @@ from lightning_vlm.parallel.collectives import (
 )
 from lightning_vlm.parallel.fsdp import sharded_root
 from lightning_vlm.parallel.steps import RootCalls, partitions_weights, root_forward
-from lightning_vlm.settings_check import check_count
 
 
 def chosen_answers(rows: list[dict]) -> list[str]:
@@ -59,6 +59,8 @@ class DPO(RootCalls, FactoryOptimized):
     ``sft_normalization`` for the ``sft`` term ("per_example", ours, or TRL's "token_mean");
     ``bco_running_delta`` (``bco_pair``'s reward shift δ, the running mean of past implicit rewards as in
     BCO and MPO and TRL before 0.29; false: δ = 0, TRL 1.x)."""
+
+    data_shape: ClassVar[str] = "preference"  # the rows it trains on (data=preference)
 
     def __init__(
         self,

@@ -22,11 +22,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torchmetrics import MeanMetric
 
+from lightning_vlm.counts import check_count
 from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.losses.kto import (
     KTO_LOSS_TYPES,
@@ -50,7 +51,6 @@ from lightning_vlm.models.vision_cache import with_encoded_images
 from lightning_vlm.models.vision_every_rank import reusing_encoded_images
 from lightning_vlm.models.vlm import VLM
 from lightning_vlm.parallel.collectives import all_gather_object, gather_cat, mean_normalizer, rank
-from lightning_vlm.settings_check import check_count
 
 log = logging.getLogger(__name__)
 # Validation means over the epoch; rewards/margins is their chosen minus rejected (on_validation_epoch_end).
@@ -128,6 +128,8 @@ def desirable_answers(rows: list[dict]) -> list[str]:
 
 class KTO(FactoryOptimized):
     """KTO with TRL's knobs: ``beta``, ``desirable_weight``, ``undesirable_weight``, ``loss_type``."""
+
+    data_shape: ClassVar[str] = "unpaired"  # the rows it trains on (data=unpaired; pairs are unpaired)
 
     def __init__(
         self,

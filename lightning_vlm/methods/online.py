@@ -28,7 +28,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torchmetrics import MeanMetric
@@ -75,6 +75,8 @@ _CUT_KEY = "lightning_vlm/generation_cut"
 
 class OnlineRL(RootCalls, RolloutSampling):
     """Base of GRPO, RLOO and Online DPO: subclasses give ``compute_advantages`` and ``loss``."""
+
+    data_shape: ClassVar[str] = "prompt"  # the rows it samples from (data=prompt)
 
     def __init__(
         self,

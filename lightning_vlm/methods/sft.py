@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torchmetrics import MeanMetric
 
+from lightning_vlm.counts import check_count
 from lightning_vlm.data.lookahead import LookaheadBatch
 from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.losses.sft import sft_loss, token_accuracy
@@ -22,11 +23,12 @@ from lightning_vlm.methods.step_window import StepWindow, window_of
 from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_tokens
 from lightning_vlm.models.vlm import VLM
 from lightning_vlm.parallel.collectives import all_reduce_sum
-from lightning_vlm.settings_check import check_count
 
 
 class SFT(FactoryOptimized):
     """SFT: NLL of the assistant turns; validation also scores held-out answers by greedy generation."""
+
+    data_shape: ClassVar[str] = "sft"  # the rows it trains on (data=sft: SFTDataModule)
 
     def __init__(
         self,
