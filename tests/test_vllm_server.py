@@ -82,6 +82,44 @@ def test_the_client_tells_unreachable_from_timed_out_and_logs_its_retries(caplog
     assert any("timed out after 0.3 s; retry 1 of 1" in r.message for r in caplog.records)
 
 
+def test_an_engine_that_dies_under_a_request_is_waited_for_like_a_lost_connection(caplog):
+    # vLLM answers the requests in flight with 500 (EngineDeadError) when its engine dies, then shuts the
+    # server down; a supervisor restarts it. The 500 failed the run at once, restart or not.
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    answers = [(500, {"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the "
+                                           "root cause.", "type": "InternalServerError", "code": 500}}),
+               (200, {"data": [{"id": "restarted"}]})]  # fmt: skip
+
+    class Dying(BaseHTTPRequestHandler):
+        def do_GET(self):
+            status, body = answers.pop(0)
+            payload = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Dying)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        caplog.set_level(logging.WARNING, logger="lightning_vlm")
+        client = VLLMServerClient(f"http://127.0.0.1:{server.server_port}", reconnect_timeout=10, backoff=0.1)
+        assert client.model() == "restarted" and client.reconnects == 1  # generate() then samples again
+        assert "unreachable (its engine died); retry 1" in caplog.text
+        # any other error answer is the request's own, raised at once
+        answers.append((400, {"error": {"message": "bad request", "code": 400}}))
+        with pytest.raises(VLLMServerError, match="answered 400: bad request"):
+            client.request("GET", "/v1/models")
+    finally:
+        server.shutdown()
+
+
 def test_every_route_needs_the_key_and_bad_requests_get_4xx(served):
     url = served.url
     for path in ("/v1/models", "/collective_rpc", "/lightning_vlm/info", "/sleep"):
@@ -196,6 +234,24 @@ def test_a_large_image_is_resized_by_the_processor(served, vlm):
              "images": [Image.new("RGB", (2500, 2500), (200, 30, 30))]}]  # fmt: skip
     out = generator.generate(rows, 2, SamplingSettings(max_new_tokens=3))
     assert len(out.completion_ids) == 2 and all(out.completion_ids)
+    generator.close()
+
+
+def test_a_server_with_other_image_settings_is_refused(served, model_dir):
+    # A server started by hand, without the model config's processor_kwargs (Qwen2.5-VL's max_pixels):
+    # it gave each image other image tokens than training did, so completions answered another prompt.
+    from PIL import Image
+
+    from lightning_vlm.generation.base import SamplingSettings
+    from lightning_vlm.models.vlm import VLM
+
+    vlm = VLM(model_dir, processor_kwargs={"min_pixels": 3136, "max_pixels": 3136})
+    generator = VLLMServerGenerator(vlm, served.client(timeout=120))
+    rows = [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}],
+             "images": [Image.new("RGB", (448, 448), (200, 30, 30))]}]  # fmt: skip
+    with pytest.raises(VLLMServerError, match=r"into \d+ image tokens, the policy's processor into 4: .*"
+                                              r"--mm-processor-kwargs '\{\"min_pixels\": 3136"):  # fmt: skip
+        generator.generate(rows, 2, SamplingSettings(max_new_tokens=3))
     generator.close()
 
 

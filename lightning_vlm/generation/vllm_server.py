@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import logging
 import shutil
 import tempfile
@@ -30,6 +31,7 @@ from lightning_vlm.generation.weight_sync import (
     write_weights,
 )
 from lightning_vlm.models.chat_render import adds_bos, render
+from lightning_vlm.models.family_rules import image_token_id
 
 log = logging.getLogger(__name__)
 TRANSFERS = ("folder", "body")
@@ -117,6 +119,7 @@ class VLLMServerGenerator:
         self._sharded = False
         self.resyncs = 0
         self._rendering_checked: set[bool] = set()  # prompt shapes (with a system turn or not) checked
+        self._images_checked = False  # image tokens per image compared with the policy's, once
 
     def _check_rendering(self, system: bool) -> None:
         """Refuse a server whose chat template renders a prompt unlike the policy's: its completions would
@@ -145,6 +148,29 @@ class VLLMServerGenerator:
                 "chat template (--chat-template)"
             )
         self._rendering_checked.add(system)
+
+    def _check_image_tokens(self, rows: list[dict], answers: list[dict]) -> None:
+        """Refuse a server that turns an image into another number of image tokens than the policy's processor
+        (a server started by hand, without the model config's ``processor_kwargs``: Qwen2.5-VL's
+        ``max_pixels``): its completions answer another prompt than the one trained and scored. Compared on
+        the first prompt with images; the server returns the token ids it rendered (``return_token_ids``)."""
+        at = next((i for i, r in enumerate(rows) if r.get("images")), None)
+        theirs = answers[at].get("prompt_token_ids") if at is not None else None
+        if theirs is None:
+            return
+        self._images_checked = True
+        token = image_token_id(self.vlm.config)
+        row = rows[at]
+        ours = self.vlm.encode_prompts([row["prompt"]], [row["images"]])["input_ids"][0].tolist()
+        if (n_theirs := list(theirs).count(token)) != (n_ours := ours.count(token)):
+            raise VLLMServerError(
+                f"vLLM server at {self.client.url} turns a prompt's {len(row['images'])} image(s) into {n_theirs} "
+                f"image tokens, the policy's processor into {n_ours}: the server's image processor has other "
+                f"settings, and its completions would answer another prompt than the one trained on. Start it "
+                f"with the policy's model.processor_kwargs (--mm-processor-kwargs "
+                f"'{json.dumps(dict(self.vlm.processor_kwargs or {}))}'), or let the callback start it "
+                "(start_server=true)"
+            )
 
     def set_seed(self, seed: int | None) -> None:
         """Seed the following generations (one vLLM seed per prompt, ``request_seeds``); None: unseeded."""
@@ -175,6 +201,8 @@ class VLLMServerGenerator:
                                       "generations of this batch")  # fmt: skip
             # The connection dropped and came back: the answers may come from a restarted server.
             log.warning("vLLM server reconnected during generation: checking its weights, sampling again")
+        if not self._images_checked:
+            self._check_image_tokens(rows, answers)
         ids, logprobs = [], []
         for answer in answers:
             for choice in sorted(answer["choices"], key=lambda c: c["index"]):

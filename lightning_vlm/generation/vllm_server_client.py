@@ -75,13 +75,7 @@ class VLLMServerClient:
                 )
             except requests.ConnectionError as exc:  # refused, reset or connect timeout
                 first_failure = first_failure or time.monotonic()
-                waited = time.monotonic() - first_failure
-                if waited >= self.reconnect_timeout:
-                    raise self._unreachable(url, exc, attempt, waited) from exc
-                delay = min(self.backoff * 2 ** min(attempt - 1, 4), 10.0, self.reconnect_timeout - waited)
-                log.warning("vLLM server at %s unreachable (%s); retry %d in %.1f s (%.0f of %g s reconnect "
-                            "budget used)", url, _reason(exc), attempt, delay, waited, self.reconnect_timeout)  # fmt: skip
-                time.sleep(max(delay, 0.0))
+                self._wait_to_reconnect(url, _reason(exc), attempt, first_failure, exc)
                 continue
             except requests.Timeout as exc:
                 timeouts += 1
@@ -90,11 +84,29 @@ class VLLMServerClient:
                 log.warning("vLLM server at %s timed out after %g s; retry %d of %d", url, timeout, timeouts,
                             self.retries)  # fmt: skip
                 continue
+            if _engine_died(response):
+                # vLLM answers the requests in flight so, then shuts the server down (terminate_if_errored):
+                # the same as a lost connection, which a supervisor's restart brings back.
+                first_failure = first_failure or time.monotonic()
+                self._wait_to_reconnect(url, "its engine died", attempt, first_failure, None)
+                continue
             if first_failure is not None:
                 self.reconnects += 1
                 log.warning("vLLM server at %s reachable again after %d attempts (%.1f s)", url, attempt,
                             time.monotonic() - first_failure)  # fmt: skip
             return self._answer(url, response)
+
+    def _wait_to_reconnect(
+        self, url: str, reason: str, attempt: int, first_failure: float, exc: Exception | None
+    ) -> None:
+        """Sleeps before the next attempt (backoff), or raises once ``reconnect_timeout`` is spent."""
+        waited = time.monotonic() - first_failure
+        if waited >= self.reconnect_timeout:
+            raise self._unreachable(url, reason, attempt, waited) from exc
+        delay = min(self.backoff * 2 ** min(attempt - 1, 4), 10.0, self.reconnect_timeout - waited)
+        log.warning("vLLM server at %s unreachable (%s); retry %d in %.1f s (%.0f of %g s reconnect budget "
+                    "used)", url, reason, attempt, delay, waited, self.reconnect_timeout)  # fmt: skip
+        time.sleep(max(delay, 0.0))
 
     @staticmethod
     def _answer(url: str, response: requests.Response) -> Any:
@@ -114,9 +126,9 @@ class VLLMServerClient:
             f"reachable but slow or stuck; raise server_timeout if generations are this long."
         )
 
-    def _unreachable(self, url: str, exc: Exception, attempts: int, waited: float) -> VLLMServerError:
+    def _unreachable(self, url: str, reason: str, attempts: int, waited: float) -> VLLMServerError:
         return VLLMServerError(
-            f"vLLM server at {url} is not reachable ({_reason(exc)}; {attempts} attempts over {waited:.0f} s, "
+            f"vLLM server at {url} is not reachable ({reason}; {attempts} attempts over {waited:.0f} s, "
             f"reconnect budget {self.reconnect_timeout:g} s). Is it running? Start it with "
             f"`python -m lightning_vlm.serve MODEL_DIR --port PORT`."
         )
@@ -207,6 +219,15 @@ def _reason(exc: Exception) -> str:
         if known in text:
             return known.lower() if known != "Max retries exceeded" else "no connection"
     return type(exc).__name__
+
+
+# vLLM's EngineDeadError (vllm/v1/engine/exceptions.py), as its server answers the requests in flight.
+ENGINE_DEAD = "EngineCore encountered an issue"
+
+
+def _engine_died(response: requests.Response) -> bool:
+    """Whether an error answer says the server's engine died (not that the request was bad)."""
+    return response.status_code >= 500 and ENGINE_DEAD in response.text
 
 
 def _server_root(url: str) -> str:
