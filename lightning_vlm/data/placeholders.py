@@ -17,11 +17,11 @@ MODEL_IMAGE_TOKENS = ("<|image_pad|>", "<start_of_image>", "<|image|>", "<IMG_CO
 # The turn markers (and BOS/EOS) the registered families' chat templates write. In a row's text the
 # tokenizer reads one as that control token, not as text: an answer exported already templated, holding
 # "<|im_end|>", ended there (SFT's labels stopped at it, the rest never trained on), and a prompt holding
-# "<|im_start|>assistant" made a turn of its own. "</s>", "<s>" and "[INST]" are left out: ordinary text
-# (HTML, prompts about prompts) holds them.
+# "<|im_start|>assistant" made a turn of its own. BOS/EOS ("</s>", "<eos>", "<|endoftext|>") and "[INST]"
+# are left out: ordinary text (HTML, text about tokenizers, prompts about prompts) holds them.
 CHAT_CONTROL_TOKENS = (
-    "<|im_start|>", "<|im_end|>", "<|endoftext|>",  # Qwen, InternVL, LLaVA-OneVision
-    "<start_of_turn>", "<end_of_turn>", "<bos>", "<eos>",  # Gemma 3
+    "<|im_start|>", "<|im_end|>",  # Qwen, InternVL, LLaVA-OneVision
+    "<start_of_turn>", "<end_of_turn>",  # Gemma 3
     "<|turn>", "<turn|>",  # Gemma 4
     "<end_of_utterance>",  # Idefics3, SmolVLM
     "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",  # Llama 3
