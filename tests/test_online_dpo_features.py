@@ -119,6 +119,9 @@ def test_candidates_pair_the_best_with_the_worst():
     # group 0: best index 1 (first of the two 1.0s), worst 0; group 1 all tie: (4, 4), a skipped pair;
     # group 2: NaN is never picked while scored values exist
     assert best_and_worst(rewards, 4) == [1, 0, 4, 4, 11, 9]
+    # mask_truncated_completions: a truncated candidate's pair would be dropped, so two finished ones pair
+    cut = torch.tensor([False, True, False, False, True] + [False] * 7)
+    assert best_and_worst(rewards, 4, cut) == [3, 0, 5, 5, 11, 9]
 
 
 def test_pair_metrics_are_pooled_over_the_steps_valid_pairs_whatever_the_micro_batches(setup):

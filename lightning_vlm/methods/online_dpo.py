@@ -35,9 +35,12 @@ from lightning_vlm.parallel.collectives import pooled_means
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
 
 
-def best_and_worst(rewards: torch.Tensor, k: int) -> list[int]:
+def best_and_worst(rewards: torch.Tensor, k: int, excluded: torch.Tensor | None = None) -> list[int]:
     """Indices (best, worst) of each consecutive group of ``k`` rewards; the first of equals wins. A NaN
-    (unscored) is never picked over a scored one; a group with one scored value gives a tie (skipped)."""
+    (unscored), or an ``excluded`` candidate, is never picked over a scored one; a group with one scored
+    value gives a tie (skipped)."""
+    if excluded is not None:
+        rewards = rewards.masked_fill(excluded, float("nan"))
     grouped = rewards.view(-1, k)
     best = grouped.nan_to_num(-torch.inf).argmax(-1)
     worst = grouped.nan_to_num(torch.inf).argmin(-1)
@@ -137,7 +140,9 @@ class OnlineDPO(OnlineRL):
         if k == 2:
             return rollouts, per_function
         rewards = self.train_rewards(rollouts, per_function)
-        index = best_and_worst(rewards, k)
+        # Masked, a truncated candidate could only make a pair that is dropped (compute_advantages).
+        cut = torch.tensor(rollouts.truncated, device=rewards.device)
+        index = best_and_worst(rewards, k, cut if self.hparams.mask_truncated_completions else None)
         # Over every rank's scored candidates (a rank short of prompts weighs less), as one process.
         scored = ~rewards.isnan()
         mean = pooled_means({"reward": torch.nanmean(rewards)}, scored.sum())["reward"]
