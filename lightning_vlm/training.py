@@ -125,7 +125,8 @@ def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
     offline_if_unreachable(cfg)  # a missing model or dataset named at once, not after minutes of retries
     if "seed" in cfg and cfg.seed is None:
         with open_dict(cfg):
-            cfg.seed = drawn_seed()  # data.seed (${seed}) and every other ${seed} follow
+            # data.seed (${seed}) and every other ${seed} follow
+            cfg.seed = drawn_seed(int((cfg.get("trainer") or {}).get("num_nodes") or 1))
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     if cfg.get("float32_matmul_precision"):

@@ -16,7 +16,7 @@ SMALL = ["logger=none", "callbacks=none", "++tiny_start=random", "trainer.max_st
 
 @pytest.fixture(autouse=True)
 def launch_env(monkeypatch):
-    for name in ("LOCAL_RANK", "WORLD_SIZE", "SLURM_STEP_NUM_TASKS", DRAWN_SEED_ENV):
+    for name in ("LOCAL_RANK", "WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "TORCHELASTIC_RUN_ID", DRAWN_SEED_ENV):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
@@ -38,8 +38,16 @@ def test_the_processes_of_one_run_share_rank_0s_seed_or_are_refused(launch_env):
     launch_env.setenv(DRAWN_SEED_ENV, "1234")
     launch_env.setenv("LOCAL_RANK", "1")
     assert drawn_seed() == 1234
-    # torchrun's or srun's processes, started together, cannot agree on one
-    launch_env.delenv("LOCAL_RANK")
+    # What Lightning's launcher leaves in rank 0's environment (WORLD_SIZE, LOCAL_RANK=0) is no obstacle:
+    # the next job of an in-process sweep draws its own
+    launch_env.setenv("LOCAL_RANK", "0")
     launch_env.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match=r"seed=null with 2 processes .*Pass seed=<int>"):
-        drawn_seed()
+    assert drawn_seed() != 1234
+    # torchrun's or srun's processes, started together, or several nodes' cannot agree on one
+    for name, value in (("TORCHELASTIC_RUN_ID", "abc"), ("SLURM_STEP_NUM_TASKS", "4")):  # WORLD_SIZE=2 set
+        launch_env.setenv(name, value)
+        with pytest.raises(ValueError, match=r"seed=null with processes started together .*Pass seed=<int>"):
+            drawn_seed()
+        launch_env.delenv(name)
+    with pytest.raises(ValueError, match=r"started on several nodes"):
+        drawn_seed(num_nodes=2)
