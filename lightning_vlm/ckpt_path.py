@@ -151,7 +151,7 @@ def _keyword(keyword: str, trainer: L.Trainer, resuming: bool) -> str | None:
         Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)
     )
     where = ", ".join(map(str, folders)) or "none: no checkpoint callback"
-    for folder in folders:
+    for folder in folders if keyword == "last" else ():
         if hint := _set_aside_hint(folder / "last.ckpt"):
             raise FileNotFoundError(f"ckpt_path=last: no {folder / 'last.ckpt'}{hint}")
     if keyword == "last" and resuming:

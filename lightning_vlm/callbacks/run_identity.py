@@ -101,7 +101,7 @@ def warn_unapplied_optimizer(
     differ = {
         key: (value, stored[key])
         for key, value in optimizer.items()
-        if not key.startswith("_") and key in stored and _plain(value) != _plain(stored[key])
+        if not key.startswith("_") and key in stored and _as_json(value) != _as_json(stored[key])
     }
     if differ:
         log.warning(
@@ -113,11 +113,6 @@ def warn_unapplied_optimizer(
                 for k, (ours, theirs) in differ.items()
             ),
         )
-
-
-def _plain(value: Any) -> Any:
-    """Settings as comparable values: a list and a tuple of the same numbers (betas) are one setting."""
-    return [float(v) for v in value] if isinstance(value, list | tuple) else value
 
 
 def check_time_budget(ckpt_path: str | None, entries: Mapping[str, Any], trainer: L.Trainer) -> None:
@@ -138,12 +133,14 @@ def check_time_budget(ckpt_path: str | None, entries: Mapping[str, Any], trainer
 
 
 def _as_json(value: Any) -> str | None:
-    """A setting as comparable text (a tuple and a list of the same values alike); None for an object
-    (a reward function, a partial): those are compared by the checks above, or not at all."""
+    """A setting as comparable text (a tuple and a list of the same values alike, and 1 and 1.0: betas
+    (0.9, 0.999) are one setting however written); None for an object (a reward function, a partial):
+    those are compared by the checks above, or not at all."""
     if isinstance(value, DictConfig | ListConfig):
         value = OmegaConf.to_container(value, resolve=True)
     try:
-        return json.dumps(value, sort_keys=True)
+        # Through JSON and back with whole numbers read as floats: beta=1 and beta=1.0 are one setting.
+        return json.dumps(json.loads(json.dumps(value), parse_int=float), sort_keys=True)
     except (TypeError, ValueError):
         return None
 

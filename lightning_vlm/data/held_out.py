@@ -42,4 +42,5 @@ def _prompt_messages(row: Mapping, shape: str) -> list[dict]:
 def prompt_key(row: Mapping, shape: str) -> str:
     """A digest of normalised ``row``'s prompt and images: equal for rows that ask the same thing."""
     key = [_prompt_messages(row, shape), [_image_key(ref) for ref in row["images"]]]
-    return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    # default=str: a pass-through value JSON cannot write (a date in a message's extra field) is text here
+    return hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()

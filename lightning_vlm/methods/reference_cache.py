@@ -141,7 +141,11 @@ class ReferenceLogpCache:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         with open(self.directory / f".{self.path.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            except OSError as err:  # a filesystem without locks (Lustre without -o flock, some FUSE mounts)
+                log.warning("no file lock in %s (%s): saving the reference log-probs unlocked; runs sharing "
+                            "the folder may drop each other's rows (recomputed later)", self.directory, err)  # fmt: skip
             self.values = {**(_read(self.path) if self.path.is_file() else {}), **self.values}
             tmp = temp_name(self.path)
             try:

@@ -142,9 +142,16 @@ class VLMFSDPStrategy(FSDPStrategy):
         temp = Path(self.broadcast(str(temp_name(target))))  # rank 0's name, on every rank
         super().save_checkpoint(checkpoint, temp, storage_options)
         self.barrier("lightning_vlm.sharded_checkpoint_written")
+        failed = None
         if self.global_rank == 0:
-            swap_in(temp, target)
-        self.barrier("lightning_vlm.sharded_checkpoint_in_place")
+            try:
+                swap_in(temp, target)
+            except OSError as err:
+                failed = f"{type(err).__name__}: {err}"
+        # Every rank learns how the swap went (a collective): a rank-0 failure alone left the others waiting.
+        failed = self.broadcast(failed)
+        if failed:
+            raise OSError(f"the sharded checkpoint written to {temp} could not replace {target}: {failed}")
 
 
 # Module names FSDP and its activation checkpointing insert between a module and its children.
