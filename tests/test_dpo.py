@@ -62,6 +62,7 @@ def vlm(tiny_path):
         ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]}, "loss_weights has 1 entries"),
         ({"beta": 0.0}, "beta must be > 0"),
         ({"label_smoothing": 0.5}, "label_smoothing must be in"),
+        ({"loss_type": ["ipo"], "label_smoothing": 0.1}, "applies only to sigmoid and robust"),
     ],
 )
 def test_bad_settings_fail_at_construction_naming_the_setting(vlm, kwargs, match):

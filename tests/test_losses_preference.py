@@ -9,6 +9,7 @@ import torch
 
 from lightning_vlm.losses.preference import (
     LOSS_TYPES,
+    SMOOTHED,
     PreferenceInputs,
     RunningMean,
     bco_pair_loss,
@@ -223,7 +224,8 @@ def test_raising_chosen_logp_lowers_the_loss(loss_type: str):
         chosen_lengths=torch.tensor([3, 3]),
         rejected_lengths=torch.tensor([3, 3]),
     )
-    total, _ = weighted_preference_loss([loss_type], None, inp, beta=0.1, label_smoothing=0.1)
+    smoothing = 0.1 if loss_type in SMOOTHED else 0.0  # the others take none
+    total, _ = weighted_preference_loss([loss_type], None, inp, beta=0.1, label_smoothing=smoothing)
     total.backward()
     assert inp.policy_chosen_logps.grad is not None and (inp.policy_chosen_logps.grad < 0).all()
     if loss_type != "sft":
@@ -245,7 +247,12 @@ def test_extreme_margins_give_finite_loss_and_gradients(dtype: torch.dtype):
         inp.policy_chosen_logps.grad = None
         inp.policy_rejected_logps.grad = None
         total, metrics = weighted_preference_loss(
-            [loss_type], None, inp, beta=0.1, label_smoothing=0.2, bco_delta=0.5
+            [loss_type],
+            None,
+            inp,
+            beta=0.1,
+            label_smoothing=0.2 if loss_type in SMOOTHED else 0.0,
+            bco_delta=0.5,
         )
         total.backward()
         assert torch.isfinite(total), loss_type
@@ -271,6 +278,9 @@ def test_unknown_loss_type_names_it_and_lists_valid_ones():
         ({"loss_types": ["robust"], "label_smoothing": 0.5}, r"\[0, 0.5\)"),
         ({"loss_types": ["sigmoid"], "label_smoothing": -0.1}, r"\[0, 0.5\)"),
         ({"loss_types": ["ipo"], "beta": 0.0}, "beta must be > 0"),
+        # ipo, hinge, bco_pair and sft take no smoothing: it would be dropped without a word
+        ({"loss_types": ["ipo", "sft"], "label_smoothing": 0.1}, r"label_smoothing=0.1.*\['ipo', 'sft'\]"),
+        ({"loss_types": ["hinge"], "label_smoothing": 0.2}, "only to sigmoid and robust"),
     ],
 )
 def test_bad_settings_raise_clear_errors(kwargs: dict, match: str):

@@ -171,6 +171,10 @@ class RunningMean(nn.Module):
         return self.mean
 
 
+# The terms that take label_smoothing (cDPO's and rDPO's ε).
+SMOOTHED = {"sigmoid", "robust"}
+
+
 def _validate(
     loss_types: Sequence[str], loss_weights: Sequence[float] | None, beta: float, label_smoothing: float
 ) -> list[float]:
@@ -197,6 +201,12 @@ def _validate(
     if not 0.0 <= label_smoothing < 0.5:
         # At ε = 0.5 robust divides by zero and sigmoid stops depending on which answer was chosen.
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    if label_smoothing and not SMOOTHED & set(loss_types):
+        # The other terms have no smoothed form: the setting would be dropped without a word.
+        raise ValueError(
+            f"label_smoothing={label_smoothing} applies only to sigmoid and robust, and loss_types is "
+            f"{list(loss_types)}; set it to 0 or add one of them"
+        )
     return weights
 
 
