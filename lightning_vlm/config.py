@@ -83,7 +83,7 @@ def _config_groups(sources: Any) -> str:
 
 def register_resolvers() -> None:
     """Registers `${tiny_vlm:<family>[,random|<warm start>]}` (path of an offline tiny model, or of one of
-    its SFT warm starts, ``warm_start.WARM_STARTS``), `${times:<value>,<factor>}` (their product) and
+    its SFT warm starts, ``warm_start.WARM_STARTS``), `${times:<value>,<factor>}` (their product), `${if_lora:<lora node>,<full>,<adapters>}` and
     `${run_stamp:<strftime pattern>}` (the run folder's name: :func:`launch_id`, else the time); safe to
     call twice."""
     if not OmegaConf.has_resolver("tiny_vlm"):
@@ -94,6 +94,10 @@ def register_resolvers() -> None:
         # ${times:${scale.lr.online},0.5}: a setting relative to a size-dependent one, so an experiment tuned
         # on the tiny models keeps its ratio on a hub model's scale instead of its tiny absolute value.
         OmegaConf.register_new_resolver("times", lambda value, factor: float(value) * float(factor))
+    if not OmegaConf.has_resolver("if_lora"):
+        # ${if_lora:${model.lora},<full rate>,<LoRA rate>}: a rate that follows whether adapters are trained,
+        # so `lora=default` (or `model.lora=null` on a 7B config) needs no rate written by hand.
+        OmegaConf.register_new_resolver("if_lora", lambda lora, full, adapters: adapters if lora else full)
     if not OmegaConf.has_resolver("run_stamp"):
         # Cached like Hydra's ${now:}: the folder is named once per process.
         OmegaConf.register_new_resolver("run_stamp", _run_stamp, use_cache=True)

@@ -119,6 +119,19 @@ def test_sampling_and_engine_nodes_are_their_dataclasses(tmp_path):
         assert opt.optimizer.lr == cfg.scale.lr[rate]
 
 
+@pytest.mark.parametrize(("method", "full", "adapters"), [("sft", 2e-5, 1e-4), ("dpo", 1e-6, 5e-6), ("grpo", 1e-6, 1e-5)])
+def test_lora_on_a_pretrained_model_takes_loras_rate(method, full, adapters, tmp_path):
+    # `model=qwen2_5_vl lora=default` trained the adapters at the full fine-tuning rate (10x too slow).
+    def lr(*overrides: str) -> float:
+        return compose_train([f"method={method}", *overrides], tmp_path).method.optimizer.lr
+
+    assert lr("model=qwen2_5_vl") == pytest.approx(full)
+    assert lr("model=qwen2_5_vl", "lora=default") == pytest.approx(adapters)
+    assert lr("model=qwen2_5_vl_7b") == pytest.approx(adapters)
+    assert lr("model=qwen2_5_vl_7b", "model.lora=null") == pytest.approx(full)  # full fine-tuning again
+    assert lr("lora=default") == lr()  # the tiny models: one rate (LoRA also trains their lm_head)
+
+
 def test_gpu_trainer_takes_precision_from_the_scale(tmp_path):
     assert compose_train(["trainer=gpu"], tmp_path).trainer.precision == "32-true"  # tiny model
     assert compose_train(["trainer=gpu", "model=qwen2_5_vl"], tmp_path).trainer.precision == "bf16-mixed"
