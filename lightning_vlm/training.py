@@ -41,6 +41,7 @@ from lightning_vlm.loggers import WandbRunId, builds_wandb, ending_runs, start_r
 from lightning_vlm.models.scale_guard import check_model_scale
 from lightning_vlm.parallel.collectives import launcher_rank, world_size
 from lightning_vlm.parallel.teardown import shut_down_at_exit
+from lightning_vlm.recurring import reset_recurring
 from lightning_vlm.seeding import drawn_seed
 from lightning_vlm.settings_check import check_settings
 
@@ -158,6 +159,7 @@ def _has_validation(datamodule: L.LightningDataModule) -> bool:
 
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     """Runs one training job; returns the final logged metrics and the objects it built."""
+    reset_recurring()  # a sweep's next job warns about its own rows afresh
     with failure_ends_sweep():
         return _train(cfg)
 

@@ -119,7 +119,9 @@ def test_sampling_and_engine_nodes_are_their_dataclasses(tmp_path):
         assert opt.optimizer.lr == cfg.scale.lr[rate]
 
 
-@pytest.mark.parametrize(("method", "full", "adapters"), [("sft", 2e-5, 1e-4), ("dpo", 1e-6, 5e-6), ("grpo", 1e-6, 1e-5)])
+@pytest.mark.parametrize(
+    ("method", "full", "adapters"), [("sft", 2e-5, 1e-4), ("dpo", 1e-6, 5e-6), ("grpo", 1e-6, 1e-5)]
+)
 def test_lora_on_a_pretrained_model_takes_loras_rate(method, full, adapters, tmp_path):
     # `model=qwen2_5_vl lora=default` trained the adapters at the full fine-tuning rate (10x too slow).
     def lr(*overrides: str) -> float:

@@ -25,6 +25,7 @@ from lightning_vlm.methods.reference_cache import (
 )
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
+from lightning_vlm.recurring import reset_recurring
 from lightning_vlm.training import train
 
 SHORT = [
@@ -251,6 +252,7 @@ def test_a_max_length_that_cuts_a_pair_to_the_same_tokens_warns(vlm, caplog):
             row[column] = [{"role": "assistant", "content": [text]}]
     prompts = vlm.encode_prompts([r["prompt"] for r in rows], [r["images"] for r in rows])
     longest = int(prompts["attention_mask"].sum(dim=1).max())
+    reset_recurring()
     with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
         encode_pairs(vlm, rows, max_length=longest + 20)
         assert "the same tokens" not in caplog.text
@@ -269,10 +271,18 @@ def test_a_pair_the_template_renders_alike_warns(tiny_path, caplog):
     rows = synthetic_rows("preference", 2, seed=1)
     rows[0]["chosen"] = [{"role": "assistant", "content": [{"type": "text", "text": "Yes"}]}]
     rows[0]["rejected"] = [{"role": "assistant", "content": [{"type": "text", "text": "Yes\n"}]}]
+    reset_recurring()  # other tests' batches count too
     with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
         encode_pairs(vlm, rows)
     assert "both answers of 1 pair of this batch render to the same tokens" in caplog.text
     assert "What" in caplog.text  # the row, by its question
+    # Such a pair comes back every epoch, and many of them at every step: said at batches 1, 2, 4, 8, ...
+    for _ in range(7):
+        encode_pairs(vlm, rows)
+    said = [r.getMessage() for r in caplog.records if "render to the same tokens" in r.getMessage()]
+    assert len(said) == 4 and said[-1].endswith(
+        "[batch 8 so far with this warning; it is said again at batch 16]"
+    )
 
 
 def test_two_runs_sharing_a_reference_cache_folder_both_save_and_a_damaged_file_is_skipped(

@@ -18,6 +18,7 @@ import torch
 from lightning_vlm.models.encoding import assistant_char_spans, row_summary, warn_trains_on_nothing
 from lightning_vlm.models.image_tokens import repeat_samples
 from lightning_vlm.models.vision_cache import repeated_groups, with_image_groups
+from lightning_vlm.recurring import warn_recurring
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,9 @@ def _warn_rendered_alike(rows: list[dict], differ: list[bool]) -> None:
     log 2), so it trains on nothing."""
     same = [i for i, d in enumerate(differ) if not d]
     if same:
-        log.warning(
+        warn_recurring(
+            log,
+            "rendered_alike",
             "both answers of %d pair%s of this batch render to the same tokens (e.g. %s): the chat template "
             "trims or rewrites them, and such a pair trains on nothing. Make the answers differ in more than "
             "whitespace",

@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 
 from lightning_vlm.data.rows import COMPLETION_MESSAGES, LOSS
+from lightning_vlm.recurring import warn_recurring
 
 from .chat_render import adds_bos, answer_header, render, warn_unclosed
 from .family_rules import image_token_id
@@ -215,7 +216,9 @@ def warn_trains_on_nothing(
     what that left), which stay in the batch and train on nothing."""
     if which:
         many = len(which) > 1
-        log.warning(
+        warn_recurring(
+            log,
+            f"cut {cut} {unit}",
             "max_length=%d cut %s %d %s%s of this batch%s (e.g. %s): %s on nothing. Raise method.max_length, "
             "or shorten the prompts or images (model.processor_kwargs)",
             max_length, cut, len(which), unit, "s" if many else "", result, row_summary(rows[which[0]]),
