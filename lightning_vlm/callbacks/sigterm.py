@@ -21,6 +21,9 @@ import logging
 import os
 import signal
 import subprocess
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning as L
@@ -107,6 +110,23 @@ def raise_on_sigterm(trainer: L.Trainer) -> None:
     synced = _synced(trainer)
     if synced.agreed(trainer) if synced else trainer.received_sigterm:
         raise SIGTERMException
+
+
+@contextmanager
+def sigterm_recorded(trainer: L.Trainer) -> Iterator[None]:
+    """Records SIGTERM in hooks that run before Lightning registers its signal handlers (``on_fit_start``,
+    e.g. DPO's reference precompute), for :func:`raise_on_sigterm` to stop on. There the default action
+    ended the process at once, before anything was saved. Only where signals can be set (the main
+    thread) and the trainer has a :class:`SyncedSigterm`; the previous handler comes back after."""
+    synced = _synced(trainer)
+    if synced is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, synced._notify)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _synced(trainer: L.Trainer) -> SyncedSigterm | None:

@@ -9,6 +9,8 @@ disk keyed by row content and model weights, and the frozen copy is then release
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -16,6 +18,7 @@ from typing import Any, ClassVar
 import torch
 from torchmetrics import MeanMetric
 
+from lightning_vlm.callbacks.sigterm import raise_on_sigterm, sigterm_recorded
 from lightning_vlm.counts import check_count
 from lightning_vlm.generation.hf import HFGenerator
 from lightning_vlm.losses.preference import PreferenceInputs, RunningMean, weighted_preference_loss
@@ -47,6 +50,12 @@ from lightning_vlm.parallel.collectives import (
 )
 from lightning_vlm.parallel.fsdp import sharded_root
 from lightning_vlm.parallel.steps import RootCalls, partitions_weights, root_forward
+
+log = logging.getLogger(__name__)
+
+# Seconds between saves of the reference values during the precompute: a save (the whole file, under a
+# lock) takes well under one at 100k rows, a batch of a 3B reference a fraction of one.
+REF_SAVE_EVERY_S = 120.0
 
 
 def chosen_answers(rows: list[dict]) -> list[str]:
@@ -191,17 +200,38 @@ class DPO(RootCalls, FactoryOptimized):
         # run outside the precision context that steps get: enter it, so that under mixed precision
         # the stored values are what the live reference would give in a step (autocast), not fp32's.
         loaders = self.trainer.datamodule.shard_dataloaders(val=self.trainer.limit_val_batches != 0)
-        with self.trainer.precision_plugin.forward_context():
-            for loader in loaders:
-                for rows in loader:
-                    # Under FSDP as a forward of the root module: a hook is outside the one a step gets.
-                    root_forward(self, self._reference_logps, rows, self._encode(rows))
-        cache.save()
+        with sigterm_recorded(self.trainer), self.trainer.precision_plugin.forward_context():
+            self._precompute(cache, loaders)
         # Every rank takes the others' values (no shared filesystem or common run folder needed).
         for values in all_gather_object(cache.values):
             cache.values.update(values)
         # Every row's values are stored: the frozen copy is no longer needed (LoRA's costs nothing).
         self.ref = None
+
+    def _precompute(self, cache: ReferenceLogpCache, loaders: list) -> None:
+        """Every row of ``loaders`` into ``cache``, saved as it goes: a preemption or an error keeps the
+        rows done (a pass over a large dataset takes hours), and a run that finds the folder again (a
+        requeued job's, or ``ref_cache_dir``) computes only the rest."""
+        saved = time.monotonic()
+        try:
+            for loader in loaders:
+                for rows in loader:
+                    # Under FSDP as a forward of the root module: a hook is outside the one a step gets.
+                    root_forward(self, self._reference_logps, rows, self._encode(rows))
+                    # Every rank at the same batch (the loaders are padded to one length): a collective.
+                    raise_on_sigterm(self.trainer)
+                    if time.monotonic() - saved >= REF_SAVE_EVERY_S:
+                        cache.save()
+                        saved = time.monotonic()
+        except BaseException:
+            cache.save()
+            log.warning(
+                "The reference precompute stopped: the values of %d rows are kept in %s, and a run that uses "
+                "that folder again (ckpt_path=last in this run folder, or method.ref_cache_dir) computes only "
+                "the rest", len(cache), cache.directory,
+            )  # fmt: skip
+            raise
+        cache.save()
 
     # ---- steps ----------------------------------------------------------------------------------------
     def _encode(self, rows: list[dict]):
