@@ -8,8 +8,11 @@ overridable from the command line, without repeating them.
 
 from __future__ import annotations
 
+import copy
+import inspect
 import os
 from collections.abc import Mapping
+from dataclasses import field, make_dataclass
 from datetime import datetime
 from typing import Any
 
@@ -103,14 +106,37 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("run_stamp", _run_stamp, use_cache=True)
 
 
+def signature_node(target: type) -> type:
+    """A dataclass (a config node for Hydra) with ``target``'s constructor parameters, their defaults and
+    ``_target_``: the YAML that includes it overrides what it changes and writes no default again.
+    Fields are untyped (``Any``): the constructor checks its values and names the bad one. Mutable defaults
+    (mappings, tuples) become per-instance copies."""
+    fields: list[tuple[str, Any, Any]] = [("_target_", str, f"{target.__module__}.{target.__qualname__}")]
+    for name, param in inspect.signature(target.__init__).parameters.items():
+        if name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if param.default is param.empty:
+            raise TypeError(f"{target.__qualname__}({name}) has no default to put in a config node")
+        default = param.default
+        if isinstance(default, Mapping | tuple | list):
+            plain = dict(default) if isinstance(default, Mapping) else list(default)
+            fields.append((name, Any, field(default_factory=lambda plain=plain: copy.deepcopy(plain))))
+        else:
+            fields.append((name, Any, default))
+    return make_dataclass(f"{target.__name__}Node", fields)
+
+
 def register_schemas() -> None:
-    """Stores ``schema/sampling`` (``SamplingOptions``) and ``schema/vllm_engine`` (``EngineOptions``)."""
+    """Stores ``schema/sampling`` (``SamplingOptions``), ``schema/vllm_engine`` (``EngineOptions``) and
+    ``schema/datamodule`` (``VLMDataModule``'s settings, :func:`signature_node`)."""
+    from lightning_vlm.data.datamodule import VLMDataModule
     from lightning_vlm.generation.base import SamplingOptions
     from lightning_vlm.generation.engine_options import EngineOptions
 
     store = ConfigStore.instance()
     store.store(group="schema", name="sampling", node=SamplingOptions)
     store.store(group="schema", name="vllm_engine", node=EngineOptions)
+    store.store(group="schema", name="datamodule", node=signature_node(VLMDataModule))
 
 
 register_resolvers()

@@ -100,6 +100,20 @@ def test_online_yaml_values_are_the_signature_defaults(method, tmp_path):
         assert value == expected, f"method.{key}: YAML {value!r}, {ONLINE[method]} default {default!r}"
 
 
+@pytest.mark.parametrize("data", ["sft", "preference", "unpaired", "prompt"])
+def test_a_datamodule_built_in_python_has_the_configs_settings(data, tmp_path):
+    """The DataModules' defaults live in their signature (the config node is built from it): SFTDataModule()
+    in Python gave 256 synthetic rows in batches of 8 where the same config gave 4096 in batches of 32."""
+    cfg = compose_train([f"data={data}"], tmp_path)
+    from_config = hydra.utils.instantiate(cfg.data)
+    in_python = get_class(cfg.data._target_)(seed=cfg.seed, **({"batch_size": 4} if data == "prompt" else {}))
+    assert dict(from_config.hparams) == dict(in_python.hparams)
+    assert from_config.hparams.synthetic["num_train"] == 4096 and from_config.hparams.batch_size in (4, 32)
+    # every setting is in the node, so the command line overrides it without a `+`
+    params = set(inspect.signature(get_class(cfg.data._target_)).parameters)
+    assert params == set(cfg.data) - {"_target_"}
+
+
 def test_sampling_and_engine_nodes_are_their_dataclasses(tmp_path):
     from dataclasses import asdict
 

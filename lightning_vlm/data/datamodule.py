@@ -14,7 +14,9 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import lightning as L
@@ -34,14 +36,11 @@ from lightning_vlm.data.val_batches import BatchedRows, ShardBatches
 
 logger = logging.getLogger("lightning_vlm.data")
 
-# seed None: the DataModule's `seed`, so one number fixes both the rows and their order.
-SYNTHETIC_OPTIONS: dict[str, Any] = {
-    "num_train": 256,
-    "num_val": 32,
-    "seed": None,
-    "kinds": ["color"],
-    "image_size": 112,
-}
+# The built-in task's settings (``synthetic=``; a partial mapping keeps the rest). seed 0: the same rows
+# whatever the run's seed (which still orders them and draws the weights); None: the DataModule's `seed`.
+SYNTHETIC_OPTIONS: Mapping[str, Any] = MappingProxyType(
+    {"num_train": 4096, "num_val": 128, "seed": 0, "kinds": ("color",), "image_size": 112}
+)
 
 
 class RowDataset(Dataset):
@@ -97,14 +96,14 @@ class VLMDataModule(L.LightningDataModule):
         split: str = "train",
         val_split: str | None = "validation",
         val_fraction: float | None = 0.0,
-        batch_size: int = 8,
-        val_batch_size: int | None = None,
+        batch_size: int = 32,
+        val_batch_size: int | None = 64,
         num_workers: int = 0,
         shuffle: bool = True,
         seed: int = 0,
         max_samples: int | None = None,
         max_val_samples: int | None = None,
-        synthetic: dict | None = None,
+        synthetic: Mapping[str, Any] = SYNTHETIC_OPTIONS,
         on_bad_row: str = "error",
         column_map: dict | None = None,
         prompt_template: str | None = None,
@@ -149,8 +148,12 @@ class VLMDataModule(L.LightningDataModule):
             system_prompt,
             WHITE if alpha_background is None else plain(alpha_background),
         )
+        # The task's whole settings as plain values, before they are recorded (a checkpoint's hparams load
+        # with weights_only=True, and loggers write them as YAML).
+        synthetic = {**SYNTHETIC_OPTIONS, **(plain(synthetic) or {})}
+        synthetic = {k: list(v) if isinstance(v, tuple) else v for k, v in synthetic.items()}
         self.save_hyperparameters()
-        self.hparams.update(val_split=val_split, val_fraction=val_fraction)
+        self.hparams.update(val_split=val_split, val_fraction=val_fraction, synthetic=synthetic)
         # reason -> rows skipped with on_bad_row="skip": in setup, and at load when num_workers=0
         self.skipped: Counter = Counter()
         self.train_dataset: RowDataset | None = None
@@ -158,7 +161,7 @@ class VLMDataModule(L.LightningDataModule):
 
     def _synthetic(self, role: str) -> dict:
         """The synthetic task's options for rows of ``role`` (``train`` or ``validation``)."""
-        options = {**SYNTHETIC_OPTIONS, **(plain(self.hparams.synthetic) or {})}
+        options = self.hparams.synthetic
         seed = self.hparams.seed if options["seed"] is None else options["seed"]
         num = options["num_train"] if role == "train" else options["num_val"]
         return {
