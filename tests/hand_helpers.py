@@ -49,8 +49,9 @@ def table_reward(rollouts: Rollouts, rewards: list[float]):
     return table_reward
 
 
-def step_update(path: str, cls, rows: list[dict], rollouts: Rollouts, **kwargs):
-    """(weight update, logged metrics) of one optimizer step of ``cls`` on fixed ``rollouts`` (SGD lr 1)."""
+def step_update(path: str, cls, rows: list[dict], rollouts: Rollouts, modules: list | None = None, **kwargs):
+    """(weight update, logged metrics) of one optimizer step of ``cls`` on fixed ``rollouts`` (SGD lr 1);
+    the trained module is appended to ``modules`` when given."""
     vlm = VLM(path)
     before = {n: p.detach().clone() for n, p in vlm.named_parameters()}
     longest = max(len(c) for c in rollouts.completion_ids)
@@ -62,6 +63,8 @@ def step_update(path: str, cls, rows: list[dict], rollouts: Rollouts, **kwargs):
                  max_completion_length=longest, **kwargs)  # fmt: skip
     module.generator = FixedGenerator(rollouts)
     trainer = fit_steps(module, rows)
+    if modules is not None:
+        modules.append(module)
     update = {n: p.detach() - before[n] for n, p in vlm.named_parameters()}
     return update, {k: v.item() for k, v in trainer.callback_metrics.items()}
 

@@ -101,11 +101,11 @@ def test_scale_rewards_sets_the_advantages_and_the_update(setup, scale):
         assert not torch.allclose(group_advantages_by_hand(REWARDS, G, other), adv, atol=1e-3)
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_top_entropy_quantile_trains_only_the_highest_entropy_tokens(setup, loss_type):
+# 0.0: TRL's "only the highest-entropy token" (it was refused here)
+@pytest.mark.parametrize(("loss_type", "quantile"), [("dapo", 0.4), ("grpo", 0.4), ("dapo", 0.0)])
+def test_top_entropy_quantile_trains_only_the_highest_entropy_tokens(setup, loss_type, quantile):
     path, rows, rollouts = setup
     adv = group_advantages_by_hand(REWARDS, G)
-    quantile = 0.4
 
     def top(entropy, mask):
         threshold = torch.quantile(entropy[mask.bool()], 1 - quantile)
@@ -126,10 +126,26 @@ def test_top_entropy_quantile_trains_only_the_highest_entropy_tokens(setup, loss
     assert metrics["train/loss"] == pytest.approx(value, abs=1e-6)
     # a real selection: some but not all tokens, and an update other than training on every token
     _, entropy, mask = _logps(path, rollouts)
-    kept = top(entropy, mask).sum() / mask.sum()
-    assert 0.3 < kept < 0.5
+    kept = top(entropy, mask).sum()
+    assert kept == 1 if quantile == 0.0 else 0.3 < kept / mask.sum() < 0.5
     everything, _ = hand_update(path, rollouts, dapo_loss(adv) if loss_type == "dapo" else _grpo_loss(adv))
     assert differs(expected, everything)
+
+
+def test_the_adaptive_entropy_controller_watches_every_completion_token(setup):
+    # Skywork-OR1's controller steers the entropy of the whole response; TRL measures only the tokens
+    # top_entropy_quantile keeps (the README says we differ), whose mean sits above a target for all.
+    path, rows, rollouts = setup
+    _, entropy, mask = _logps(path, rollouts)
+    every = float((entropy * mask).sum() / mask.sum())
+    kept = entropy * mask >= torch.quantile(entropy[mask.bool()], 0.6)
+    assert (
+        float(entropy[kept].mean()) > every + 1e-4
+    )  # TRL's reading: another number (the tiny model is near uniform)
+    modules: list = []
+    step_update(path, GRPO, rows, rollouts, modules, reward_funcs=[table_reward(rollouts, REWARDS)],
+                top_entropy_quantile=0.4, use_adaptive_entropy=True)  # fmt: skip
+    assert modules[0].entropy_control.last_entropy == pytest.approx(every, abs=2e-5)
 
 
 def test_the_entropy_threshold_is_torch_quantile_for_any_number_of_tokens():

@@ -23,7 +23,9 @@ def kl_correction_ratio(
     Token level: r_it, as in the surrogate. Sequence level: GSPO's s_i as one differentiable value per
     sequence (TRL's form), not the GSPO-token form of ``importance_ratio``: the two have the same value,
     but the KL varies along a sequence, so only this one gives the gradient of s_i·kl_t, which is
-    s_i·∇kl_t + kl_t·∇s_i with ∇s_i = s_i·(1/|y_i|) Σ_t ∇logp_it.
+    s_i·∇kl_t + kl_t·∇s_i with ∇s_i = s_i·(1/|y_i|) Σ_t ∇logp_it. DeepSeek-V3.2 defines the correction
+    with each token's own ratio only; at sequence level we follow TRL (the two differ wherever the
+    token ratios of a sequence differ).
     """
     if level == "token":
         return capped_exp(logps - old_logps)

@@ -117,6 +117,10 @@ class AdaptiveEntropy:
     mean token entropy was at or below ``target``, and back otherwise, within [``coef_min``,
     ``coef_max``]; the bonus applies only while the last measured entropy is at or below the target
     (none before the first measurement). The state is two floats, checkpointed by the method.
+
+    GRPO measures the entropy of every completion token, as Skywork-OR1 does. With
+    ``top_entropy_quantile`` < 1, TRL measures only the tokens that quantile keeps (the highest-entropy
+    ones), whose mean sits above a target meant for all tokens, so its bonus would rarely switch on.
     """
 
     def __init__(

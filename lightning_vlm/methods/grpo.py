@@ -110,8 +110,8 @@ class GRPO(OnlineRL):
                "multi_objective_aggregation=normalize_then_sum normalises each reward by its group's std and "
                f"the sum by the batch's: scale_rewards={scale_rewards!r} would be ignored; leave it at 'group'")  # fmt: skip
         _check(
-            0.0 < top_entropy_quantile <= 1.0,
-            f"top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}",
+            0.0 <= top_entropy_quantile <= 1.0,  # 0: the highest-entropy token alone (TRL's reading too)
+            f"top_entropy_quantile must be in [0, 1], got {top_entropy_quantile}",
         )
         _check(epsilon > 0 and (epsilon_high is None or epsilon_high > 0),
                f"epsilon and epsilon_high must be > 0, got {epsilon}, {epsilon_high}")  # fmt: skip
