@@ -10,6 +10,8 @@ definition (TRL's), on the same model. On-policy the ratio is 1 in value, so a t
 from __future__ import annotations
 
 import copy
+import logging
+from functools import partial
 
 import pytest
 import torch
@@ -232,3 +234,23 @@ def test_the_off_policy_mask_measures_the_policys_own_sampling_from_the_old_poli
     assert differs(other, plain)
     negatives = sum(a < 0 for a in group_advantages_by_hand(REWARDS, G).tolist())
     assert metrics["train/off_policy_mask/masked_frac"] == pytest.approx(negatives / len(REWARDS))
+
+
+def test_settings_the_loss_type_never_reads_are_named_and_delta_without_a_clip_is_refused(setup, caplog):
+    # TRL ignores them without a word: a sweep over sapo's temperatures under dapo compared identical runs.
+    path, _, _ = setup
+    vlm = VLM(path)
+    build = partial(GRPO, vlm, optimizer=partial(torch.optim.SGD, lr=1.0))
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
+        build(loss_type="sapo", sapo_temperature_pos=2.0, epsilon=0.3, entropy_target=0.5)
+    (said,) = [r.getMessage() for r in caplog.records if "do nothing here" in r.getMessage()]
+    assert "method.epsilon=0.3 (read by grpo / bnpo / dr_grpo / dapo / luspo)" in said
+    assert "method.entropy_target=0.5 (read by use_adaptive_entropy)" in said
+    assert "sapo_temperature" not in said  # sapo reads them
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
+        build(loss_type="cispo", epsilon_high=5.0)  # cispo's cap
+        build(loss_type="vespo", vespo_k_pos=3.0, use_adaptive_entropy=True, entropy_target=0.5)
+    assert "do nothing here" not in caplog.text
+    with pytest.raises(ValueError, match=r"delta caps the clipped surrogate's ratio, which loss_type=sapo"):
+        build(loss_type="sapo", delta=2.0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any, Unpack
@@ -18,7 +19,7 @@ from lightning_vlm.losses.advantages import (
     decoupled_advantages,
     group_advantages,
 )
-from lightning_vlm.losses.policy import LEVELS, LOSS_TYPES, policy_loss
+from lightning_vlm.losses.policy import CLIPPED, LEVELS, LOSS_TYPES, policy_loss
 from lightning_vlm.losses.policy_variants import AdaptiveEntropy, VespoShape
 from lightning_vlm.methods.dynamic_sampling import any_reward_std_filter
 from lightning_vlm.methods.online import OnlineRL
@@ -51,6 +52,29 @@ def level_advice(loss_type: str, level: str) -> list[str]:
         advice.append(f"loss_type={loss_type} sums per-token terms, so at importance_sampling_level=sequence each "
                       "sequence weighs by its length; GSPO's objective is loss_type=grpo (method=gspo)")  # fmt: skip
     return advice
+
+
+# The settings only some configurations read: (setting, the loss types or switch that reads it).
+_READ_BY: dict[str, tuple[str, ...]] = {
+    "epsilon": CLIPPED,
+    "epsilon_high": (*CLIPPED, "cispo"),
+    **{f"sapo_temperature_{s}": ("sapo",) for s in ("pos", "neg")},
+    **{f"vespo_{p}_{s}": ("vespo",) for p in ("k", "lambda") for s in ("pos", "neg")},
+    **{k: ("use_adaptive_entropy",) for k in ("entropy_target", "entropy_coef_delta", "entropy_coef_min",
+                                              "entropy_coef_max")},
+}  # fmt: skip
+
+
+def unread_settings(settings: dict[str, Any], defaults: dict[str, Any]) -> list[str]:
+    """The settings changed from their ``defaults`` that the chosen ``loss_type`` (and
+    ``use_adaptive_entropy``) never read, as ``method.<name>=<value> (read by ...)``: TRL ignores them
+    without a word, so a sweep over them would compare identical runs."""
+    on = {settings["loss_type"], *(["use_adaptive_entropy"] if settings["use_adaptive_entropy"] else [])}
+    return [
+        f"method.{name}={settings[name]!r} (read by {' / '.join(readers)})"
+        for name, readers in _READ_BY.items()
+        if settings[name] != defaults[name] and not on & set(readers)
+    ]
 
 
 def linear_quantile(x: torch.Tensor, q: float) -> torch.Tensor:
@@ -120,6 +144,9 @@ class GRPO(OnlineRL):
                "loss_type=cispo caps the IS weight at epsilon_high, an absolute bound (MiniMax-M1's eps_max; "
                "ScaleRL uses 5.0): set method.epsilon_high")  # fmt: skip
         _check(delta is None or delta > 1.0, f"delta (two-sided clipping) must be > 1, got {delta}")
+        _check(delta is None or loss_type in CLIPPED,
+               f"delta caps the clipped surrogate's ratio, which loss_type={loss_type} does not have (only "
+               f"{', '.join(CLIPPED)} do): leave method.delta null")  # fmt: skip
         _check(sapo_temperature_pos > 0 and sapo_temperature_neg > 0,
                f"sapo temperatures must be > 0, got {sapo_temperature_pos}, {sapo_temperature_neg}")  # fmt: skip
         _check(not use_bias_correction_kl or online.get("beta", 0.0) > 0,
@@ -132,7 +159,10 @@ class GRPO(OnlineRL):
         _check(self.hparams.num_generations >= 2,
                f"GRPO compares completions within a group: num_generations must be >= 2, got "
                f"{self.hparams.num_generations} (every advantage would be 0)")  # fmt: skip
-        for advice in level_advice(loss_type, importance_sampling_level):
+        defaults = {k: p.default for k, p in inspect.signature(GRPO.__init__).parameters.items()}
+        unread = unread_settings(dict(self.hparams), defaults)
+        unread_advice = [f"these settings do nothing here: {', '.join(unread)}"] if unread else []
+        for advice in [*level_advice(loss_type, importance_sampling_level), *unread_advice]:
             if launcher_rank() == 0:  # every rank builds the module; one warning is enough
                 log.warning("GRPO: %s", advice)
         if multi_objective_aggregation == "normalize_then_sum" and self.dynamic_sampling.filter == "zero_std":
