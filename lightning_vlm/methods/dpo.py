@@ -103,6 +103,9 @@ class DPO(RootCalls, FactoryOptimized):
         if sft_normalization == "token_mean" and "sft" not in loss_type:
             raise ValueError(f"method.sft_normalization={sft_normalization!r} applies to the sft term, which "
                              f"loss_type {loss_type} does not have")  # fmt: skip
+        if not bco_running_delta and "bco_pair" not in loss_type:
+            raise ValueError(f"method.bco_running_delta=false applies to the bco_pair term, which loss_type "
+                             f"{loss_type} does not have")  # fmt: skip
         loss_weights = None if loss_weights is None else [float(w) for w in loss_weights]
         # Factories stay out of hparams: checkpoints then hold plain values and load with weights_only=True.
         self.save_hyperparameters(ignore=["vlm", "optimizer", "scheduler"])
