@@ -31,6 +31,7 @@ from lightning_vlm.generation.weight_sync import check_syncable
 from lightning_vlm.methods.online import OnlineRL
 from lightning_vlm.parallel.fsdp import sharded_root, unit_state_chunks
 from lightning_vlm.parallel.steps import partitions_weights
+from lightning_vlm.serving.server_gpus import server_gpus, visible_gpus
 
 log = logging.getLogger(__name__)
 MODES = ("colocate", "server")
@@ -45,7 +46,9 @@ class VLLMGeneration(L.Callback):
     ``lightning_vlm.serve`` on a free loopback port that this callback owns and stops. ``api_key``: the
     server's key (default $VLLM_API_KEY; a started server gets it, or a fresh one, as VLLM_API_KEY).
     ``weight_transfer``: "folder" (safetensors written to ``sync_dir``, read by the server: a shared
-    filesystem) or "body" (sent over HTTP).
+    filesystem) or "body" (sent over HTTP). ``server_devices``: the GPUs a started server runs on (indices
+    among those this process sees, as ``trainer.devices``); None: the first ones the trainer leaves free
+    (``serving.server_gpus``).
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class VLLMGeneration(L.Callback):
         wait_for_server: float = 240.0,
         weight_transfer: str = "folder",
         sync_dir: str | None = None,
+        server_devices: list[int] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -90,6 +94,12 @@ class VLLMGeneration(L.Callback):
                 f"callbacks.vllm_generation.server_args cannot set {owned}: the callback starts the server on "
                 "127.0.0.1 at a free port with a key of its own, and polls that address"
             )
+        if server_devices is not None and not start_server:
+            raise ValueError(
+                "callbacks.vllm_generation.server_devices places the server this callback starts "
+                "(start_server=true); a server started by hand takes its GPUs from its own CUDA_VISIBLE_DEVICES"
+            )
+        self.server_devices = None if server_devices is None else [int(i) for i in server_devices]
         self.wait_for_server = wait_for_server
         self.weight_transfer = weight_transfer
         self.sync_dir = sync_dir
@@ -142,7 +152,7 @@ class VLLMGeneration(L.Callback):
             check_syncable(vlm)  # the generator checks too, but only once the server has started
             started = None
             if trainer.is_global_zero:
-                started = self._launch(vlm.full_model_path, Path(trainer.default_root_dir))
+                started = self._launch(vlm.full_model_path, Path(trainer.default_root_dir), trainer)
             # Every rank learns the outcome, so a failed start raises everywhere instead of leaving the
             # other ranks waiting in a collective.
             self.server["url"], self.server["api_key"], error = trainer.strategy.broadcast(started)
@@ -156,7 +166,9 @@ class VLLMGeneration(L.Callback):
             self._stop_owned_server()
             raise
 
-    def _launch(self, model: str, run_dir: Path) -> tuple[str | None, str | None, str | None]:
+    def _launch(
+        self, model: str, run_dir: Path, trainer: L.Trainer
+    ) -> tuple[str | None, str | None, str | None]:
         """Rank 0 starts the server it owns and waits for it: (url, api key, None), or (None, None, why)."""
         from lightning_vlm.generation.vllm_server_client import VLLMServerClient
         from lightning_vlm.serving.process import ServerStartError, launch_server
@@ -175,13 +187,19 @@ class VLLMGeneration(L.Callback):
         # The other ranks wait in the broadcast meanwhile: wait_for_server must stay under the process
         # group's timeout (Lightning's default: 30 min). Any failure is returned, so that they learn it.
         try:
+            gpus = None
+            if trainer.strategy.root_device.type == "cuda":
+                gpus = server_gpus(trainer.device_ids, visible_gpus(), self.engine.tensor_parallel_size,
+                                   self.server_devices)  # fmt: skip
+                log.info("vLLM server on GPU(s) %s (CUDA_VISIBLE_DEVICES), the trainer on %s", gpus,
+                         trainer.device_ids)  # fmt: skip
             self._server_process, url = launch_server(
                 model,
                 self._server_cli_args(),
                 run_dir / "vllm_server.log",
                 self.wait_for_server,
                 healthy,
-                env=self.server_env(),
+                env=self.server_env(gpus),
             )
         except ServerStartError as e:
             return None, None, f"{e}\n(callbacks.vllm_generation.wait_for_server={self.wait_for_server:g} s)"
@@ -203,13 +221,13 @@ class VLLMGeneration(L.Callback):
     def _server_cli_args(self) -> list[str]:
         return self.engine.server_args() + self.server_args
 
-    def server_env(self) -> dict[str, str]:
-        """The environment of the server this callback starts: its key as ``VLLM_API_KEY``."""
+    def server_env(self, gpus: str | None = None) -> dict[str, str]:
+        """The environment of the server this callback starts: its key as ``VLLM_API_KEY``, and its ``gpus``
+        as ``CUDA_VISIBLE_DEVICES``."""
         # Not ``--api-key KEY``: a command line is readable by every user of the machine (ps), and a key
         # starting with "-" read as an option there (1 in 64 of token_urlsafe's; a CI run failed so).
-        return (
-            {"VLLM_API_KEY": self.server["api_key"]} if self.start_server and self.server["api_key"] else {}
-        )
+        env = {"VLLM_API_KEY": self.server["api_key"]} if self.start_server and self.server["api_key"] else {}
+        return env | ({"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {})
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._close(pl_module)
