@@ -116,6 +116,8 @@ TRAIN_CASES = [
     (["method=grpo", "method.epsilon=-0.1"], InstantiationException, r"epsilon and epsilon_high must be > 0", CLEAR),
     (["method=grpo", "method.beta=-1"], InstantiationException, r"beta must be >= 0, got -1", CLEAR),
     (["method=online_dpo", "method.beta=0"], InstantiationException, r"Online DPO needs beta > 0", CLEAR),
+    (["method=online_dpo", "method.beta=[0.1,0.05]"], InstantiationException,
+     r"method\.beta is one number .* per-epoch list of betas is not supported\), got \[0\.1, 0\.05\]", NEW),
     (["method=grpo", "method.reward_funcs=[no_such_reward]"], InstantiationException,
      r"'no_such_reward' is neither a built-in reward", CLEAR),
     (["method=dpo", "method.loss_weights=[1.0,2.0]"], InstantiationException, r"loss_weights has 2 entries", CLEAR),

@@ -30,6 +30,7 @@ def test_clipping_uses_the_summed_ratio_at_both_ends():
     assert loss.item() == pytest.approx(expected, rel=1e-5)
     assert stats["clip_ratio/high"].item() == pytest.approx(1 / 3)
     assert stats["clip_ratio/low"].item() == pytest.approx(1 / 3)
+    assert stats["clip_ratio/region"].item() == pytest.approx(2 / 3)  # their union, as GRPO logs it
 
 
 def test_on_policy_gradient_is_reinforce_and_global_normaliser_splits():

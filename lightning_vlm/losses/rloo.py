@@ -44,8 +44,9 @@ def rloo_loss(
     with torch.no_grad():
         r = ratio.detach()
         stats = {
-            "clip_ratio/low": ((r < 1.0 - epsilon_low) & (advantages < 0)).float().mean(),
-            "clip_ratio/high": ((r > 1.0 + eps_high) & (advantages > 0)).float().mean(),
+            "clip_ratio/low": (low := (r < 1.0 - epsilon_low) & (advantages < 0)).float().mean(),
+            "clip_ratio/high": (high := (r > 1.0 + eps_high) & (advantages > 0)).float().mean(),
+            "clip_ratio/region": (low | high).float().mean(),
             "ratio/mean": r.mean(),
             "ratio/min": r.min(),
             "ratio/max": r.max(),

@@ -73,6 +73,10 @@ class OnlineDPO(OnlineRL):
                              f"got {num_candidates!r}")  # fmt: skip
         if loss_type not in DPO_LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
+        if isinstance(beta, bool) or not isinstance(beta, int | float):
+            # TRL's OnlineDPOConfig takes a list, one β per epoch (the last one kept): no schedule here.
+            raise ValueError(f"method.beta is one number for the whole run (TRL's per-epoch list of betas is "
+                             f"not supported), got {beta!r}")  # fmt: skip
         if not beta > 0:
             raise ValueError(f"Online DPO needs beta > 0 (the loss scales by it), got {beta}")
         # DPO's loss compares the pair's log-ratios to the reference; it is not a policy-gradient estimate
