@@ -9,7 +9,7 @@ import pytest
 from hydra.utils import get_class, get_method
 from omegaconf import DictConfig, OmegaConf
 
-from helpers import compose_train, group_options
+from helpers import ROOT, compose_train, group_options
 from lightning_vlm.methods.online import OnlineRL
 from lightning_vlm.models.families import FAMILIES
 from lightning_vlm.training import instantiate_group
@@ -146,6 +146,28 @@ def test_lora_on_a_pretrained_model_takes_loras_rate(method, full, adapters, tmp
     assert lr("model=qwen2_5_vl_7b") == pytest.approx(adapters)
     assert lr("model=qwen2_5_vl_7b", "model.lora=null") == pytest.approx(full)  # full fine-tuning again
     assert lr("lora=default") == lr()  # the tiny models: one rate (LoRA also trains their lm_head)
+
+
+def test_the_readmes_linear_decay_composes_to_trls_schedule(tmp_path):
+    import torch
+
+    from lightning_vlm.methods.common import configure_optimizers
+
+    line = next(x for x in (ROOT / "README.md").read_text().splitlines() if "'method.scheduler=" in x)
+    override = line.split("`'", 1)[1].split("'`", 1)[0]
+    cfg = compose_train(["method=sft", override, "trainer.max_steps=4"], tmp_path)
+    method = hydra.utils.instantiate(cfg.method, vlm=None, _partial_=True)
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    module = torch.nn.Module()
+    module.trainable = params[0]
+    config = configure_optimizers(module, method.keywords["optimizer"], method.keywords["scheduler"])
+    scheduler, rates = config["lr_scheduler"]["scheduler"], []
+    for _ in range(4):
+        rates.append(scheduler.get_last_lr()[0])
+        config["optimizer"].step()
+        scheduler.step()
+    assert rates == pytest.approx([cfg.scale.lr.sft * f for f in (1.0, 0.75, 0.5, 0.25)])
+    assert scheduler.get_last_lr()[0] == 0.0
 
 
 def test_gpu_trainer_takes_precision_from_the_scale(tmp_path):
