@@ -12,7 +12,6 @@ import copy
 import inspect
 import os
 from collections.abc import Mapping
-from dataclasses import field, make_dataclass
 from datetime import datetime
 from typing import Any
 
@@ -106,29 +105,27 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("run_stamp", _run_stamp, use_cache=True)
 
 
-def signature_node(target: type) -> type:
-    """A dataclass (a config node for Hydra) with ``target``'s constructor parameters, their defaults and
-    ``_target_``: the YAML that includes it overrides what it changes and writes no default again.
-    Fields are untyped (``Any``): the constructor checks its values and names the bad one. Mutable defaults
-    (mappings, tuples) become per-instance copies."""
-    fields: list[tuple[str, Any, Any]] = [("_target_", str, f"{target.__module__}.{target.__qualname__}")]
+def signature_defaults(target: type) -> dict[str, Any]:
+    """``target``'s constructor parameters with their defaults, and its ``_target_``: a config node (stored
+    in Hydra's ConfigStore) that the YAML including it overrides where it differs, writing no default again.
+    A plain mapping, not a dataclass: a config for a subclass may add its own keys, as YAML could.
+    Mappings and tuples become dicts and lists."""
+    node: dict[str, Any] = {"_target_": f"{target.__module__}.{target.__qualname__}"}
     for name, param in inspect.signature(target.__init__).parameters.items():
         if name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
         if param.default is param.empty:
             raise TypeError(f"{target.__qualname__}({name}) has no default to put in a config node")
         default = param.default
-        if isinstance(default, Mapping | tuple | list):
-            plain = dict(default) if isinstance(default, Mapping) else list(default)
-            fields.append((name, Any, field(default_factory=lambda plain=plain: copy.deepcopy(plain))))
-        else:
-            fields.append((name, Any, default))
-    return make_dataclass(f"{target.__name__}Node", fields)
+        if isinstance(default, Mapping):
+            default = {k: list(v) if isinstance(v, tuple) else v for k, v in default.items()}
+        node[name] = list(default) if isinstance(default, tuple) else copy.deepcopy(default)
+    return node
 
 
 def register_schemas() -> None:
     """Stores ``schema/sampling`` (``SamplingOptions``), ``schema/vllm_engine`` (``EngineOptions``) and
-    ``schema/datamodule`` (``VLMDataModule``'s settings, :func:`signature_node`)."""
+    ``schema/datamodule`` (``VLMDataModule``'s settings, :func:`signature_defaults`)."""
     from lightning_vlm.data.datamodule import VLMDataModule
     from lightning_vlm.generation.base import SamplingOptions
     from lightning_vlm.generation.engine_options import EngineOptions
@@ -136,7 +133,7 @@ def register_schemas() -> None:
     store = ConfigStore.instance()
     store.store(group="schema", name="sampling", node=SamplingOptions)
     store.store(group="schema", name="vllm_engine", node=EngineOptions)
-    store.store(group="schema", name="datamodule", node=signature_node(VLMDataModule))
+    store.store(group="schema", name="datamodule", node=signature_defaults(VLMDataModule))
 
 
 register_resolvers()

@@ -114,6 +114,17 @@ def test_a_datamodule_built_in_python_has_the_configs_settings(data, tmp_path):
     assert params == set(cfg.data) - {"_target_"}
 
 
+def test_a_users_data_config_may_add_its_own_settings(tmp_path):
+    # A DataModule subclass with settings of its own: its config extends data/_base, as the shipped ones.
+    folder = tmp_path / "conf" / "data"
+    folder.mkdir(parents=True)
+    (folder / "mine.yaml").write_text(
+        "defaults:\n  - _base\n  - _self_\n_target_: my.DataModule\nextra_option: 3\n"
+    )
+    cfg = compose_train([f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "data=mine"], tmp_path)
+    assert cfg.data.extra_option == 3 and cfg.data.batch_size == 32
+
+
 def test_sampling_and_engine_nodes_are_their_dataclasses(tmp_path):
     from dataclasses import asdict
 

@@ -16,7 +16,6 @@ import random
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any, ClassVar
 
 import lightning as L
@@ -30,17 +29,12 @@ from lightning_vlm.data.resumable import ResumableDataLoader
 from lightning_vlm.data.rows import RowError
 from lightning_vlm.data.skips import NoRowsError, SkippedRow, collate_rows, require_rows, scan
 from lightning_vlm.data.sources import load_source, plain
+from lightning_vlm.data.synthetic import SYNTHETIC_OPTIONS
 from lightning_vlm.data.templates import RowFormat
 from lightning_vlm.data.unpair import UnpairedView, unpair
 from lightning_vlm.data.val_batches import BatchedRows, ShardBatches
 
 logger = logging.getLogger("lightning_vlm.data")
-
-# The built-in task's settings (``synthetic=``; a partial mapping keeps the rest). seed 0: the same rows
-# whatever the run's seed (which still orders them and draws the weights); None: the DataModule's `seed`.
-SYNTHETIC_OPTIONS: Mapping[str, Any] = MappingProxyType(
-    {"num_train": 4096, "num_val": 128, "seed": 0, "kinds": ("color",), "image_size": 112}
-)
 
 
 class RowDataset(Dataset):

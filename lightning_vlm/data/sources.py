@@ -32,10 +32,14 @@ from lightning_vlm.data.files import (
 )
 from lightning_vlm.data.folders import from_folder
 from lightning_vlm.data.loaded import DatasetRows, Source, load_hf_dataset, warn_json_text
-from lightning_vlm.data.synthetic import QUESTIONS, ROW_BUILDERS, build_row, make_sample
+from lightning_vlm.data.synthetic import QUESTIONS, ROW_BUILDERS, SYNTHETIC_OPTIONS, build_row, make_sample
 
 SPEC_KEYS: tuple[str, ...] = ("path", "subset", "split", "num_samples", "seed", "kinds", "image_size")
-SYNTHETIC_DEFAULTS: dict[str, Any] = {"num_samples": 256, "seed": 0, "kinds": ("color",), "image_size": 112}
+# A synthetic source's own options, defaulting to the DataModules' training settings.
+SYNTHETIC_DEFAULTS: dict[str, Any] = {
+    "num_samples": SYNTHETIC_OPTIONS["num_train"],
+    **{k: SYNTHETIC_OPTIONS[k] for k in ("seed", "kinds", "image_size")},
+}
 
 
 MIN_IMAGE_SIZE = 16  # the smallest image every synthetic kind draws (grounding: 16, count: 14)
