@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
-import pytest
+from types import SimpleNamespace
 
-from lightning_vlm.callbacks.vllm import VLLMGeneration
-from lightning_vlm.serving.server_gpus import server_gpus
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+from lightning_vlm.callbacks.vllm import VLLMGeneration, trainer_gpus
+from lightning_vlm.serving.server_gpus import gpus_needed, server_gpus
 
 
 def test_the_server_takes_the_first_gpus_the_trainer_leaves_free():
@@ -43,7 +48,7 @@ def test_indices_count_the_gpus_this_process_sees():
             ["0", "1", "2"],
             1,
             [1, 2],
-            r"names 2 GPU\(s\), and the server's engine.tensor_parallel_size is 1",
+            r"names 2 GPU\(s\), and the server takes 1 \(engine.tensor_parallel_size",
         ),
     ],
 )
@@ -60,3 +65,23 @@ def test_the_started_server_gets_them_in_its_environment():
     assert callback.server_env() == {"VLLM_API_KEY": "k"}  # a CPU trainer: nothing to place
     with pytest.raises(ValueError, match=r"server_devices places the server this callback starts"):
         VLLMGeneration(mode="server", server_devices=[1])
+
+
+def test_the_server_counts_every_parallel_size_of_its_options():
+    # server_args' --pipeline-parallel-size and --data-parallel-size, and a second --tensor-parallel-size
+    # (argparse keeps the last), were not counted: the server got too few GPUs and failed in its own log.
+    callback = VLLMGeneration(mode="server", start_server=True, engine={"tensor_parallel_size": 2},
+                              server_args=["--pipeline-parallel-size", "2", "-dp=2"])  # fmt: skip
+    assert gpus_needed(callback._server_cli_args()) == 8
+    assert gpus_needed(["--tensor-parallel-size", "2", "--tensor-parallel-size=4"]) == 4
+    assert gpus_needed(["--max-model-len", "512"]) == 1
+    with pytest.raises(ValueError, match=r"--data-parallel-size takes a whole number, got 'x'"):
+        gpus_needed(["--data-parallel-size", "x"])
+
+
+def test_the_trainers_gpus_are_its_devices_indices_in_any_order():
+    # Lightning's trainer.device_ids gives cuda:0 listed second its position (1): the server then took GPU 0.
+    ddp = DDPStrategy(parallel_devices=[torch.device("cuda", 2), torch.device("cuda", 0)])
+    assert trainer_gpus(SimpleNamespace(strategy=ddp)) == [2, 0]  # trainer_gpus reads the strategy only
+    assert trainer_gpus(SimpleNamespace(strategy=SingleDeviceStrategy(torch.device("cuda", 1)))) == [1]
+    assert trainer_gpus(L.Trainer(accelerator="cpu", devices=1, logger=False)) == []

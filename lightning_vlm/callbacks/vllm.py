@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.strategies import ParallelStrategy
 
 from lightning_vlm.generation.base import Generator
 from lightning_vlm.generation.engine_options import EngineOptions
@@ -31,10 +32,18 @@ from lightning_vlm.generation.weight_sync import check_syncable
 from lightning_vlm.methods.online import OnlineRL
 from lightning_vlm.parallel.fsdp import sharded_root, unit_state_chunks
 from lightning_vlm.parallel.steps import partitions_weights
-from lightning_vlm.serving.server_gpus import server_gpus, visible_gpus
+from lightning_vlm.serving.server_gpus import gpus_needed, server_gpus, visible_gpus
 
 log = logging.getLogger(__name__)
 MODES = ("colocate", "server")
+
+
+def trainer_gpus(trainer: L.Trainer) -> list[int]:
+    """The CUDA indices this machine's ranks train on ([] on CPU). Not ``trainer.device_ids``: it gives a
+    device listed out of order (``trainer.devices=[2,0]``) its list position, not its index."""
+    strategy = trainer.strategy
+    devices = strategy.parallel_devices if isinstance(strategy, ParallelStrategy) else [strategy.root_device]
+    return [d.index or 0 for d in devices or [] if d.type == "cuda"]
 
 
 class VLLMGeneration(L.Callback):
@@ -188,11 +197,12 @@ class VLLMGeneration(L.Callback):
         # group's timeout (Lightning's default: 30 min). Any failure is returned, so that they learn it.
         try:
             gpus = None
-            if trainer.strategy.root_device.type == "cuda":
-                gpus = server_gpus(trainer.device_ids, visible_gpus(), self.engine.tensor_parallel_size,
-                                   self.server_devices)  # fmt: skip
-                log.info("vLLM server on GPU(s) %s (CUDA_VISIBLE_DEVICES), the trainer on %s", gpus,
-                         trainer.device_ids)  # fmt: skip
+            if trainer.strategy.root_device.type == "cuda" or self.server_devices is not None:
+                used = trainer_gpus(trainer)
+                gpus = server_gpus(
+                    used, visible_gpus(), gpus_needed(self._server_cli_args()), self.server_devices
+                )
+                log.info("vLLM server on GPU(s) %s (CUDA_VISIBLE_DEVICES), the trainer on %s", gpus, used)
             self._server_process, url = launch_server(
                 model,
                 self._server_cli_args(),

@@ -18,6 +18,29 @@ ONE_GPU_ADVICE = (
 )
 
 
+# vLLM's options for the parallel sizes whose product is the GPUs a server takes (argparse keeps the last).
+_PARALLEL_OPTIONS = {
+    "--tensor-parallel-size": "tp", "-tp": "tp",
+    "--pipeline-parallel-size": "pp", "-pp": "pp",
+    "--data-parallel-size": "dp", "-dp": "dp",
+}  # fmt: skip
+
+
+def gpus_needed(server_args: Sequence[str]) -> int:
+    """The GPUs a server started with ``server_args`` takes: tensor × pipeline × data parallel sizes."""
+    sizes = {"tp": 1, "pp": 1, "dp": 1}
+    for i, arg in enumerate(server_args):
+        name, _, value = arg.partition("=")
+        if name in _PARALLEL_OPTIONS:
+            if not value and i + 1 < len(server_args):
+                value = server_args[i + 1]
+            try:
+                sizes[_PARALLEL_OPTIONS[name]] = int(value)
+            except ValueError:
+                raise ValueError(f"server option {name} takes a whole number, got {value!r}") from None
+    return sizes["tp"] * sizes["pp"] * sizes["dp"]
+
+
 def visible_gpus() -> list[str]:
     """The GPUs this process sees, as ``CUDA_VISIBLE_DEVICES`` entries (ids or UUIDs)."""
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -31,7 +54,7 @@ def visible_gpus() -> list[str]:
 def server_gpus(
     trainer_gpus: Sequence[int], visible: Sequence[str], count: int, chosen: Sequence[int] | None = None
 ) -> str:
-    """The ``CUDA_VISIBLE_DEVICES`` of a started server that needs ``count`` GPUs (its tensor-parallel size),
+    """The ``CUDA_VISIBLE_DEVICES`` of a started server that needs ``count`` GPUs (:func:`gpus_needed`),
     next to a trainer on ``trainer_gpus`` (indices into ``visible``): ``chosen`` ones (``server_devices``),
     else the first ones the trainer leaves free. ``ValueError`` naming the settings when they overlap the
     trainer's, are not there, or are too few."""
@@ -54,7 +77,8 @@ def server_gpus(
         if len(chosen) != count:
             raise ValueError(
                 f"callbacks.vllm_generation.server_devices={chosen} names {len(chosen)} GPU(s), and the "
-                f"server's engine.tensor_parallel_size is {count}: make them agree"
+                f"server takes {count} (engine.tensor_parallel_size times the pipeline and data parallel "
+                "sizes of server_args): make them agree"
             )
         return ",".join(visible[i] for i in chosen)
     free = [i for i in range(len(visible)) if i not in trainer]
