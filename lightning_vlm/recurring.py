@@ -3,7 +3,7 @@
 
 A dataset with many such rows would otherwise repeat one warning at every step of every epoch and bury
 the rest of the log; doubling keeps a handful a run, and each says how often it has happened. The counts
-start again with each training run (``training.train``), so a sweep's next job warns afresh.
+start again with each run (``training.build``: train.py and eval.py), so a sweep's next job warns afresh.
 """
 
 from __future__ import annotations

@@ -123,6 +123,7 @@ def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
     # run that says nothing about it.
     warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
     check_settings(cfg)  # settings that would fail later with a traceback, refused naming the setting
+    reset_recurring()  # a sweep's next job (train or eval) warns about its own rows afresh
     offline_if_unreachable(cfg)  # a missing model or dataset named at once, not after minutes of retries
     if "seed" in cfg and cfg.seed is None:
         with open_dict(cfg):
@@ -159,7 +160,6 @@ def _has_validation(datamodule: L.LightningDataModule) -> bool:
 
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     """Runs one training job; returns the final logged metrics and the objects it built."""
-    reset_recurring()  # a sweep's next job warns about its own rows afresh
     with failure_ends_sweep():
         return _train(cfg)
 

@@ -285,6 +285,22 @@ def test_a_pair_the_template_renders_alike_warns(tiny_path, caplog):
     )
 
 
+def test_each_run_counts_its_own_recurring_warnings(tmp_path, caplog):
+    # A sweep's next job (train.py or eval.py -m) continued the last job's counts: its first batches unsaid.
+    from lightning_vlm.recurring import warn_recurring
+    from lightning_vlm.training import build
+
+    log = logging.getLogger("lightning_vlm.test")
+    reset_recurring()
+    for _ in range(4):  # the 5th would be unsaid
+        warn_recurring(log, "kind", "a row trains on nothing")
+    build(compose_train(["method=dpo", *SHORT], tmp_path))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
+        warn_recurring(log, "kind", "a row trains on nothing")
+    assert caplog.messages == ["a row trains on nothing"]
+
+
 def test_two_runs_sharing_a_reference_cache_folder_both_save_and_a_damaged_file_is_skipped(
     tmp_path, monkeypatch, caplog
 ):
