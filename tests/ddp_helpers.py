@@ -318,12 +318,12 @@ EQUIVALENCE: dict[str, list[str]] = {
         "method.entropy_coef_delta=0.02",
         "method.entropy_target=2.0",
     ],  # fmt: skip
-    # DAPO's dynamic sampling, each rank filtering its own pool: one process's rounds of 2 prompts out of
-    # 4 vs two processes' rounds of 1 out of 2 (rows 0, 2 and 1, 3 of the global batch). The tied rows
-    # (first of each batch, and the second of every other) sit where both draw the same replacements:
-    # rank 0 alone or both ranks run a second round; the other rank joins it (a collective).
-    "dapo_dynamic_sampling": [
+    # DAPO's dynamic sampling (one step per generation), each rank filtering its own pool: one process's rounds
+    # of 2 prompts out of 4 vs two processes' rounds of 1 out of 2 (rows 0, 2 and 1, 3 of the global batch). Tied
+    # rows (first of each batch, the second of every other) sit where both draw the same replacements: rank 0
+    "dapo_dynamic_sampling": [  # alone or both ranks run a second round; the other joins it (a collective).
         "method=dapo",
+        "method.steps_per_generation=1",
         *GENERATION,
         "method.reward_funcs=[online_helpers.tie_marked_reward_fn]",
         "data.train=${oc.env:DDP_TEST_DATA}/prompt.jsonl",

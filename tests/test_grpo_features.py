@@ -240,7 +240,7 @@ def test_settings_the_loss_type_never_reads_are_named_and_delta_without_a_clip_i
     # TRL ignores them without a word: a sweep over sapo's temperatures under dapo compared identical runs.
     path, _, _ = setup
     vlm = VLM(path)
-    build = partial(GRPO, vlm, optimizer=partial(torch.optim.SGD, lr=1.0))
+    build = partial(GRPO, vlm, optimizer=partial(torch.optim.SGD, lr=1.0), steps_per_generation=2)
     with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
         build(loss_type="sapo", sapo_temperature_pos=2.0, epsilon=0.3, entropy_target=0.5)
     (said,) = [r.getMessage() for r in caplog.records if "do nothing here" in r.getMessage()]
@@ -254,3 +254,21 @@ def test_settings_the_loss_type_never_reads_are_named_and_delta_without_a_clip_i
     assert "do nothing here" not in caplog.text
     with pytest.raises(ValueError, match=r"delta caps the clipped surrogate's ratio, which loss_type=sapo"):
         build(loss_type="sapo", delta=2.0)
+
+
+def test_ratio_settings_are_named_when_one_step_per_generation_keeps_every_ratio_at_1(setup, caplog):
+    # method=dapo's clip-higher (epsilon_high 0.28) did nothing: one optimizer step per generation, so the
+    # policy never moved from the one that sampled and every ratio was 1.
+    path, _, _ = setup
+    build = partial(GRPO, VLM(path), optimizer=partial(torch.optim.SGD, lr=1.0))
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
+        build(epsilon_high=0.28, delta=2.0)
+        build(loss_type="cispo", epsilon_high=0.5)  # a cap below 1 acts at r = 1: said nowhere
+    (said,) = [r.getMessage() for r in caplog.records if "do nothing here" in r.getMessage()]
+    assert "method.epsilon_high=0.28 (every ratio is 1 with one optimizer step per generation" in said
+    assert "method.delta=2.0 (every ratio is 1" in said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
+        build(epsilon_high=0.28, steps_per_generation=2)
+        build(epsilon_high=0.28, num_iterations=2)
+    assert "do nothing here" not in caplog.text

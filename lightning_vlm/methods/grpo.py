@@ -65,16 +65,35 @@ _READ_BY: dict[str, tuple[str, ...]] = {
 }  # fmt: skip
 
 
-def unread_settings(settings: dict[str, Any], defaults: dict[str, Any]) -> list[str]:
+# The settings that shape the loss only through the ratio π/π_old (cispo's cap below 1 acts at r = 1 too).
+_RATIO_SETTINGS = ("epsilon", "epsilon_high", "delta", "sapo_temperature_pos", "sapo_temperature_neg",
+                   "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")  # fmt: skip
+
+
+def unread_settings(
+    settings: dict[str, Any], defaults: dict[str, Any], policy_moves: bool = True
+) -> list[str]:
     """The settings changed from their ``defaults`` that the chosen ``loss_type`` (and
-    ``use_adaptive_entropy``) never read, as ``method.<name>=<value> (read by ...)``: TRL ignores them
-    without a word, so a sweep over them would compare identical runs."""
+    ``use_adaptive_entropy``) never read, as ``method.<name>=<value> (read by ...)``, and, when the policy
+    cannot move between generation and loss (``policy_moves`` false: one optimizer step per generation),
+    those that act only through a ratio, which is then 1. TRL ignores both without a word, so a sweep over
+    them would compare identical runs."""
     on = {settings["loss_type"], *(["use_adaptive_entropy"] if settings["use_adaptive_entropy"] else [])}
-    return [
+    unread = [
         f"method.{name}={settings[name]!r} (read by {' / '.join(readers)})"
         for name, readers in _READ_BY.items()
         if settings[name] != defaults[name] and not on & set(readers)
     ]
+    if policy_moves:
+        return unread
+    named = {u.split("=", 1)[0] for u in unread}
+    return unread + [
+        f"method.{name}={settings[name]!r} (every ratio is 1 with one optimizer step per generation: set "
+        "method.steps_per_generation or num_iterations > 1)"
+        for name in _RATIO_SETTINGS
+        if settings[name] != defaults[name] and f"method.{name}" not in named
+        and not (name == "epsilon_high" and settings["loss_type"] == "cispo" and settings[name] < 1)
+    ]  # fmt: skip
 
 
 def linear_quantile(x: torch.Tensor, q: float) -> torch.Tensor:
@@ -160,7 +179,7 @@ class GRPO(OnlineRL):
                f"GRPO compares completions within a group: num_generations must be >= 2, got "
                f"{self.hparams.num_generations} (every advantage would be 0)")  # fmt: skip
         defaults = {k: p.default for k, p in inspect.signature(GRPO.__init__).parameters.items()}
-        unread = unread_settings(dict(self.hparams), defaults)
+        unread = unread_settings(dict(self.hparams), defaults, self.policy_moves)
         unread_advice = [f"these settings do nothing here: {', '.join(unread)}"] if unread else []
         for advice in [*level_advice(loss_type, importance_sampling_level), *unread_advice]:
             if launcher_rank() == 0:  # every rank builds the module; one warning is enough
