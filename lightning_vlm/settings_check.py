@@ -11,6 +11,8 @@ weights, ``max_length``) are left to it, so direct construction says the same.
 
 from __future__ import annotations
 
+import inspect
+import logging
 import numbers
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +26,8 @@ from lightning_vlm.counts import check_count
 from lightning_vlm.data.sources import located_sources
 from lightning_vlm.methods.dynamic_sampling import DynamicSampling
 from lightning_vlm.models.model_source import check_model_source
+
+log = logging.getLogger(__name__)
 
 
 def _number(value: Any) -> bool:
@@ -60,6 +64,7 @@ def check_settings(cfg: DictConfig) -> None:
         _check_online(method, data)
         _check_online_trainer(trainer, method, data)
         _check_vllm_correction(method, cfg.get("callbacks") or {})
+        _warn_unread_correction(method, cfg.get("callbacks") or {})
         _check_vllm_temperature(method, cfg.get("callbacks") or {})
 
 
@@ -273,6 +278,26 @@ def _check_vllm_correction(method: Any, callbacks: Any) -> None:
             "mask drops every negative sample. Set top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, "
             "or turn the setting off"
         )
+
+
+def _warn_unread_correction(method: Any, callbacks: Any) -> None:
+    """The correction's mode and bounds shape the ratio of vLLM's log-probs to the trainer's: with HF
+    ``generate`` (no ``callbacks.vllm_generation``) the sampler is the policy, and they are never read."""
+    if callbacks.get("vllm_generation"):
+        return
+    from lightning_vlm.methods.online import OnlineRL
+
+    defaults = inspect.signature(OnlineRL.__init__).parameters
+    changed = [
+        f"method.{key}={method[key]!r}"
+        for key in ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+                    "vllm_importance_sampling_clip_min")
+        if key in method and method[key] != defaults[key].default
+    ]  # fmt: skip
+    if changed:
+        log.warning("%s: these do nothing with generation by HF generate (the policy samples, so there is no "
+                    "sampler mismatch to correct); they apply with generation=vllm_colocate or vllm_server",
+                    ", ".join(changed))  # fmt: skip
 
 
 def _check_vllm_temperature(method: Any, callbacks: Any) -> None:

@@ -133,6 +133,8 @@ TRAIN_CASES = [
     (["method=dpo", "method.sft_normalization=tokens"], InstantiationException, r"sft_normalization must be one of", NEW),
     (["method=dpo", "method.sft_normalization=token_mean"], InstantiationException, r"applies to the sft term", NEW),
     (["method=dpo", "method.bco_running_delta=false"], InstantiationException, r"applies to the bco_pair term", NEW),
+    (["method=dpo", "method.ref_cache_dir=/tmp/refs"], InstantiationException,
+     r"method\.ref_cache_dir='/tmp/refs' holds precomputed reference log-probs: set method\.precompute_ref_logps=true", NEW),
     (["method=dpo", "method.loss_type=[hinge]", "method.label_smoothing=0.1"], InstantiationException,
      r"label_smoothing=0.1 applies only to sigmoid and robust", NEW),
     (["method=grpo", "method.use_bias_correction_kl=true"], InstantiationException, r"needs method\.beta > 0", NEW),
@@ -224,6 +226,21 @@ def test_dynamic_sampling_steps_need_to_split_one_round_not_the_whole_pool(tmp_p
     overrides = ["method=dapo", "data.batch_size=9", "method.num_generations=2", "method.steps_per_generation=5",
                  "method.dynamic_sampling.max_num_gen_batches=2"]  # fmt: skip
     check_settings(compose_train([*SMALL, *overrides], tmp_path))
+
+
+def test_correction_settings_are_named_when_hf_generate_samples(tmp_path, caplog):
+    # With HF generate the policy samples: the correction's mode and bounds are never read.
+    mode = ["method=rloo", "method.vllm_importance_sampling_mode=sequence_truncate",
+            "method.vllm_importance_sampling_clip_max=5.0"]  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
+        check_settings(compose_train([*SMALL, *mode], tmp_path))
+    assert "method.vllm_importance_sampling_mode='sequence_truncate', method.vllm_importance_sampling_clip_max=5.0: " \
+        "these do nothing with generation by HF generate" in caplog.text  # fmt: skip
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
+        check_settings(compose_train([*SMALL, *mode, "generation=vllm_colocate"], tmp_path))
+        check_settings(compose_train([*SMALL, "method=grpo"], tmp_path))  # the defaults: nothing to say
+    assert "these do nothing" not in caplog.text
 
 
 @pytest.fixture(scope="module")

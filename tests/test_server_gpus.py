@@ -65,6 +65,10 @@ def test_the_started_server_gets_them_in_its_environment():
     assert callback.server_env() == {"VLLM_API_KEY": "k"}  # a CPU trainer: nothing to place
     with pytest.raises(ValueError, match=r"server_devices places the server this callback starts"):
         VLLMGeneration(mode="server", server_devices=[1])
+    with pytest.raises(
+        ValueError, match=r"server_args=\['--max-model-len', '512'\] are options of the server this"
+    ):
+        VLLMGeneration(mode="server", server_args=["--max-model-len", "512"])  # a server started by hand
 
 
 def test_the_server_counts_every_parallel_size_of_its_options():

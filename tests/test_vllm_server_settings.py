@@ -50,4 +50,5 @@ def test_server_args_cannot_move_the_server_the_callback_polls(args):
     with pytest.raises(ValueError, match=r"server_args cannot set \['--"):
         VLLMGeneration(mode="server", start_server=True, server_args=["--max-model-len", "512", *args])
     VLLMGeneration(mode="server", start_server=True, server_args=["--max-model-len", "512"])  # others pass
-    VLLMGeneration(mode="server", server_args=args)  # not started by the callback: its own address
+    with pytest.raises(ValueError, match=r"are options of the server this callback starts"):
+        VLLMGeneration(mode="server", server_args=args)  # a server started by hand: never read

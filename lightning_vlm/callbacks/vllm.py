@@ -108,6 +108,12 @@ class VLLMGeneration(L.Callback):
                 "callbacks.vllm_generation.server_devices places the server this callback starts "
                 "(start_server=true); a server started by hand takes its GPUs from its own CUDA_VISIBLE_DEVICES"
             )
+        if server_args and not start_server:
+            raise ValueError(
+                f"callbacks.vllm_generation.server_args={list(server_args)} are options of the server this "
+                "callback starts (start_server=true); give a server started by hand its options on its own "
+                "command line"
+            )
         self.server_devices = None if server_devices is None else [int(i) for i in server_devices]
         self.wait_for_server = wait_for_server
         self.weight_transfer = weight_transfer

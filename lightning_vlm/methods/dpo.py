@@ -103,6 +103,9 @@ class DPO(RootCalls, FactoryOptimized):
         if sft_normalization == "token_mean" and "sft" not in loss_type:
             raise ValueError(f"method.sft_normalization={sft_normalization!r} applies to the sft term, which "
                              f"loss_type {loss_type} does not have")  # fmt: skip
+        if ref_cache_dir is not None and not precompute_ref_logps:
+            raise ValueError(f"method.ref_cache_dir={ref_cache_dir!r} holds precomputed reference log-probs: set "
+                             "method.precompute_ref_logps=true, or leave ref_cache_dir null")  # fmt: skip
         if not bco_running_delta and "bco_pair" not in loss_type:
             raise ValueError(f"method.bco_running_delta=false applies to the bco_pair term, which loss_type "
                              f"{loss_type} does not have")  # fmt: skip
