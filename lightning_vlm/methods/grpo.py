@@ -79,21 +79,22 @@ def unread_settings(
     those that act only through a ratio, which is then 1. TRL ignores both without a word, so a sweep over
     them would compare identical runs."""
     on = {settings["loss_type"], *(["use_adaptive_entropy"] if settings["use_adaptive_entropy"] else [])}
-    unread = [
-        f"method.{name}={settings[name]!r} (read by {' / '.join(readers)})"
-        for name, readers in _READ_BY.items()
-        if settings[name] != defaults[name] and not on & set(readers)
+    changed = [name for name in defaults if name in settings and settings[name] != defaults[name]]
+    reasons = {
+        name: f"read by {' / '.join(_READ_BY[name])}"
+        for name in changed
+        if name in _READ_BY and not on & set(_READ_BY[name])
+    }
+    if not policy_moves:
+        for name in changed:
+            cap = name == "epsilon_high" and settings["loss_type"] == "cispo" and settings[name] < 1
+            if name in _RATIO_SETTINGS and name not in reasons and not cap:
+                reasons[name] = ("every ratio is 1 with one optimizer step per generation: set "
+                                 "method.steps_per_generation or num_iterations > 1")  # fmt: skip
+    order = [*_READ_BY, *_RATIO_SETTINGS]  # the message names them in this order
+    return [
+        f"method.{name}={settings[name]!r} ({reasons[name]})" for name in sorted(reasons, key=order.index)
     ]
-    if policy_moves:
-        return unread
-    named = {u.split("=", 1)[0] for u in unread}
-    return unread + [
-        f"method.{name}={settings[name]!r} (every ratio is 1 with one optimizer step per generation: set "
-        "method.steps_per_generation or num_iterations > 1)"
-        for name in _RATIO_SETTINGS
-        if settings[name] != defaults[name] and f"method.{name}" not in named
-        and not (name == "epsilon_high" and settings["loss_type"] == "cispo" and settings[name] < 1)
-    ]  # fmt: skip
 
 
 def linear_quantile(x: torch.Tensor, q: float) -> torch.Tensor:
