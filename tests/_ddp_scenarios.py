@@ -141,7 +141,10 @@ def fsdp_vllm(mode: str, out: Path) -> None:
             "callbacks.vllm_generation.weight_sync=adapter",
         ]
     if mode == "server":
-        overrides += ["callbacks.vllm_generation.start_server=true"]
+        # A request the tiny model answers in seconds: a stuck server fails the run with its error
+        # (and the test shows the server's log) well before the launcher's timeout.
+        overrides += ["callbacks.vllm_generation.start_server=true", "callbacks.vllm_generation.server_timeout=120",
+                      "callbacks.vllm_generation.retries=0", "callbacks.vllm_generation.reconnect_timeout=60"]  # fmt: skip
     train(compose_train(overrides, folder))
 
 

@@ -10,17 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
-import psutil
 import torch
 
-from helpers import ROOT
 from lightning_vlm.generation.base import OwnWeightsGenerator, Rollouts, SamplingSettings
 
 
@@ -164,34 +159,6 @@ def write_variable_length_data(dirpath: Path, n: int = 32) -> Path:
     for name, rows in files.items():
         (dirpath / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return dirpath
-
-
-def torchrun(
-    script: Path, args: list[str], nproc: int = 2, timeout: float = 1200
-) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc_per_node=N script args`` with one torch thread per process.
-
-    On timeout the whole process group is killed (torchrun's workers too, which would otherwise
-    outlive it and load the machine), and the result has return code -9.
-    """
-    import signal
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
-           "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(script), *args]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        # torchrun gives each worker a session of its own: kill them too, or they hold the pipes open
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            child.kill()
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        err += f"\n[torchrun killed after {timeout:g} s]"
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 # ---- the equivalence scenarios: one process with batch 4 vs two with batch 2 -----------------------------

@@ -6,7 +6,7 @@ met the other rank's barrier, and the run hung."""
 from __future__ import annotations
 
 import pytest
-from ddp_helpers import torchrun
+from launch import torchrun
 
 from helpers import ROOT
 

@@ -28,9 +28,9 @@ from ddp_helpers import (
     FSDP_EQUIVALENCE,
     ONE_PROCESS,
     correction_inputs,
-    torchrun,
     write_variable_length_data,
 )
+from launch import torchrun
 
 from helpers import ROOT, compose_train
 from lightning_vlm.losses.importance import rollout_correction

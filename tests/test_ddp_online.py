@@ -15,7 +15,7 @@ import json
 import re
 
 import pytest
-from ddp_helpers import torchrun
+from launch import torchrun
 
 from helpers import ROOT
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from ddp_helpers import torchrun
+from launch import torchrun
 
 from helpers import ROOT, fake_scontrol
 from lightning_vlm.serving.process import free_port

@@ -6,7 +6,7 @@ all-reduce) with theirs, and the sweep hung, or went on with ranks a job apart."
 from __future__ import annotations
 
 import pytest
-from ddp_helpers import torchrun
+from launch import torchrun
 
 from helpers import ROOT
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 from _fsdp_killed_save import digests
-from ddp_helpers import torchrun
+from launch import torchrun
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers import ROOT

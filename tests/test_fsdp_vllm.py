@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from ddp_helpers import torchrun
+from launch import torchrun
 
 from helpers import ROOT
+from lightning_vlm.serving.process import log_tail
 
 pytestmark = [pytest.mark.slow, pytest.mark.ddp, pytest.mark.vllm]
 SCRIPT = ROOT / "tests" / "_ddp_scenarios.py"
@@ -24,7 +25,9 @@ def test_grpo_under_fsdp_syncs_vllm_unit_by_unit(mode, tiny_path, tmp_path):
     tiny_path()
     proc = torchrun(SCRIPT, [str(tmp_path), f"fsdp_vllm:{mode}"], timeout=600)
     errors = {p.name: p.read_text() for p in tmp_path.glob("*.error")}
-    assert proc.returncode == 0 and not errors, errors or proc.stderr[-5000:]
+    server_log = tmp_path / f"fsdp_vllm_{mode}" / "vllm_server.log"
+    tail = log_tail(server_log) if server_log.exists() else ""
+    assert proc.returncode == 0 and not errors, (errors or proc.stderr[-8000:], f"server log:\n{tail}")
     folder = tmp_path / f"fsdp_vllm_{mode}"
     for rank in (0, 1):
         probes = json.loads((folder / f"parity-rank{rank}.json").read_text())
