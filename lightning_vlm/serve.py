@@ -182,7 +182,10 @@ def _rendering_template(args: argparse.Namespace) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse, then run vLLM's server until SIGTERM/SIGINT."""
+    """Parse, then run vLLM's server until SIGTERM/SIGINT (or until the trainer that started it dies)."""
+    from lightning_vlm.serving.process import stop_with_parent
+
+    stop_with_parent()  # before vLLM's imports: a trainer killed meanwhile must not leave a server
     args = parse_args(argv)
     import uvloop
     from vllm.entrypoints.launchers.api_server.entry import run_server

@@ -1,16 +1,28 @@
 """Starting the server the callback owns (``serving.process.launch_server``), for real: a server that
-dies while loading fails at once with its log's tail, and a port taken between picking it and vLLM
-binding it is retried on another port."""
+dies while loading fails at once with its log's tail, a port taken between picking it and vLLM
+binding it is retried on another port, and a server stops when the process that started it dies."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 
+import psutil
 import pytest
 
 from lightning_vlm.generation.vllm_server_client import VLLMServerClient
 from lightning_vlm.serving import process
-from lightning_vlm.serving.process import ServerStartError, launch_server, log_tail, stop_server
+from lightning_vlm.serving.process import (
+    STOP_WITH_PID,
+    ServerStartError,
+    launch_server,
+    log_tail,
+    stop_server,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -54,3 +66,36 @@ def test_the_log_tail_is_this_attempts_lines(tmp_path):
         f.write("loading\nout of memory\n")
     assert log_tail(log, start) == "loading\nout of memory"
     assert log_tail(log, start, lines=1) == "out of memory"
+
+
+def test_a_server_stops_when_the_process_that_started_it_is_killed(tiny_path, tmp_path):
+    pid_file = tmp_path / "server.pid"
+    starter = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom pathlib import Path\nfrom lightning_vlm.serving.process import start_server\n"
+        f"proc, _ = start_server({tiny_path('qwen2_5_vl')!r}, log_path={str(tmp_path / 'log')!r})\n"
+        f"Path({str(pid_file)!r}).write_text(str(proc.pid))\ntime.sleep(600)\n"
+    )])  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        server = psutil.Process(int(pid_file.read_text()))
+    finally:
+        starter.kill()  # a trainer killed (SIGKILL, out of memory): nothing of ours runs in it any more
+        starter.wait()
+    try:
+        server.wait(timeout=120)  # its own session: no SIGHUP; the kernel's SIGTERM stops it
+    except psutil.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        pytest.fail("the server outlived the process that started it")
+
+
+def test_a_server_whose_starter_died_before_it_asked_stops_at_once():
+    # Its starter is not its parent any more (it died and the server was handed to another): no signal
+    # would ever come, so the server stops itself.
+    code = "from lightning_vlm.serving.process import stop_with_parent\nstop_with_parent()\nimport time; time.sleep(60)"
+    env = {**os.environ, STOP_WITH_PID: str(os.getpid() + 1_000_000)}
+    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=60).returncode == -signal.SIGTERM
+    env.pop(STOP_WITH_PID)  # started by hand: it runs until stopped
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run([sys.executable, "-c", code], env=env, timeout=5)

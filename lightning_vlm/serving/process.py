@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+# The pid of the process that started a server: the server stops when it dies (stop_with_parent).
+STOP_WITH_PID = "LIGHTNING_VLM_STOP_WITH_PID"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -29,11 +31,14 @@ def start_server(
     port = port or free_port(host)
     cmd = [sys.executable, "-m", "lightning_vlm.serve", str(model), "--host", host, "--port", str(port)]
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (closed below)
-    full_env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), **(env or {})}
+    full_env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), **(env or {}),
+                STOP_WITH_PID: str(os.getpid())}  # fmt: skip
     # Its own session: stopping it reaches vLLM's engine-core child too. Its own session also means
-    # no SIGHUP when the trainer dies: the kernel sends SIGTERM instead (a killed trainer frees the GPU).
+    # no SIGHUP when the trainer dies: the server asks the kernel for SIGTERM instead (stop_with_parent),
+    # so a killed trainer frees the GPU. Not a preexec_fn: Python code between fork and exec can
+    # deadlock in a process with threads (the trainer has many: gloo, data loaders, loggers).
     proc = subprocess.Popen([*cmd, *(args or [])], stdout=out, stderr=subprocess.STDOUT, env=full_env,
-                            start_new_session=True, preexec_fn=_terminate_with_parent)  # fmt: skip
+                            start_new_session=True)  # fmt: skip
     if log_path:
         out.close()  # the child holds its own descriptor
     return proc, f"http://{host}:{port}"
@@ -108,16 +113,22 @@ def log_tail(path: str | Path, start: int = 0, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _terminate_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent dies (Linux ``PR_SET_PDEATHSIG``; strictly,
-    when the thread that started it exits: start servers from a thread that lives as long as they)."""
+def stop_with_parent() -> None:
+    """In a server ``start_server`` started, first thing: SIGTERM when the process that started it dies
+    (Linux ``PR_SET_PDEATHSIG``; strictly, when the thread that started it exits: start servers from a
+    thread that lives as long as they). One whose starter died already stops at once."""
     import ctypes
     import signal
 
+    starter = os.environ.pop(STOP_WITH_PID, None)  # vLLM's own children are stopped by vLLM
+    if starter is None:  # started by hand: it lives until stopped
+        return
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except OSError:  # not Linux: the server outlives a killed trainer, as any process would
-        pass
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the server outlives a killed trainer, as any process would
+        return
+    if os.getppid() != int(starter):  # died before the request: no signal would come
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> int:
