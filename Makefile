@@ -14,7 +14,8 @@ train: install
 	$(PY) train.py $(ARGS)
 
 # Test files run on TEST_WORKERS pytest-xdist workers, a file's tests on one worker (its module
-# fixtures, e.g. a vLLM report, are built once); conftest.py shares the cores among them.
+# fixtures, e.g. a vLLM report, are built once), longest files first (tests/order.py); conftest.py
+# shares the cores among them.
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 import torch
+from order import DURATIONS, longest_files_first
 
 # Two cores here and in CI, shared by the pytest-xdist workers (`make test` starts two): more threads
 # than cores only add contention (oversubscribed OpenMP threads spin), so each worker and the processes
@@ -57,6 +59,12 @@ def sft_warm_start():
     from lightning_vlm.models.warm_start import tiny_sft_path
 
     return lambda family="qwen2_5_vl": str(tiny_sft_path(family))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Longest test files first (after pytest-randomly's shuffle, which wraps this hook): see ``order.py``."""
+    durations = json.loads(DURATIONS.read_text())
+    items[:] = [items[i] for i in longest_files_first([item.nodeid for item in items], durations)]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
