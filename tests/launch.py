@@ -21,30 +21,48 @@ def torchrun(
 ) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node=N script args`` with one torch thread per process.
 
-    On timeout every process it started gets SIGABRT first: with ``PYTHONFAULTHANDLER`` set, each
-    writes every thread's Python stack to its stderr (a vLLM server to its log), so a hang that CI
-    met once says where it was. Then the whole process group is killed (torchrun's workers too,
-    which would otherwise outlive it and load the machine), and the result has return code -9.
+    On timeout the processes write where they were (``stop_with_stacks``) and are killed; the result
+    then has return code -9.
     """
+    proc = start_torchrun(script, args, nproc)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out, err = stop_with_stacks(proc)
+        err += f"\n[torchrun killed after {timeout:g} s; the stacks above are where its processes were]"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def start_torchrun(script: Path, args: list[str], nproc: int = 2) -> subprocess.Popen:
+    """The torchrun launch of ``torchrun``, not waited for (its output piped, text)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
            "PYTHONFAULTHANDLER": "1",
            "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(script), *args]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
+
+
+def stop_with_stacks(proc: subprocess.Popen) -> tuple[str, str]:
+    """Every process ``proc`` started gets SIGABRT first: with ``PYTHONFAULTHANDLER`` set, each writes
+    every thread's Python stack to its stderr (a vLLM server to its log), so a hang that CI met once
+    says where it was. Then the whole process group is killed (torchrun's workers too, which would
+    otherwise outlive it and load the machine). Returns the output (stdout, stderr)."""
+    # torchrun gives each worker a session of its own: kill them too, or they hold the pipes open
+    children = _descendants(proc.pid)
+    _signal(children, signal.SIGABRT)
+    psutil.wait_procs(children, timeout=STACK_DUMP_WAIT)
+    _signal([*_descendants(proc.pid), *children], signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
+    return proc.communicate()
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        # torchrun gives each worker a session of its own: kill them too, or they hold the pipes open
-        children = psutil.Process(proc.pid).children(recursive=True)
-        _signal(children, signal.SIGABRT)
-        psutil.wait_procs(children, timeout=STACK_DUMP_WAIT)
-        _signal([*psutil.Process(proc.pid).children(recursive=True), *children], signal.SIGKILL)
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        err += f"\n[torchrun killed after {timeout:g} s; the stacks above are where its processes were]"
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:  # torchrun exited (it does once its workers died): its session is killed whole
+        return []
 
 
 def _signal(processes: list[psutil.Process], sig: int) -> None:
