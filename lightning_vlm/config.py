@@ -8,7 +8,6 @@ overridable from the command line, without repeating them.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import os
 from collections.abc import Mapping
@@ -17,6 +16,8 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
+
+from lightning_vlm.defaults import config_value, init_defaults
 
 
 def _tiny_vlm(family: str, start: str = "random") -> str:
@@ -111,15 +112,10 @@ def signature_defaults(target: type) -> dict[str, Any]:
     A plain mapping, not a dataclass: a config for a subclass may add its own keys, as YAML could.
     Mappings and tuples become dicts and lists."""
     node: dict[str, Any] = {"_target_": f"{target.__module__}.{target.__qualname__}"}
-    for name, param in inspect.signature(target.__init__).parameters.items():
-        if name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            continue
-        if param.default is param.empty:
+    for name, default in init_defaults(target).items():
+        if default is inspect.Parameter.empty:
             raise TypeError(f"{target.__qualname__}({name}) has no default to put in a config node")
-        default = param.default
-        if isinstance(default, Mapping):
-            default = {k: list(v) if isinstance(v, tuple) else v for k, v in default.items()}
-        node[name] = list(default) if isinstance(default, tuple) else copy.deepcopy(default)
+        node[name] = config_value(default)
     return node
 
 

@@ -11,7 +11,6 @@ weights, ``max_length``) are left to it, so direct construction says the same.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import numbers
 from collections.abc import Mapping
@@ -24,6 +23,7 @@ from omegaconf import DictConfig
 from lightning_vlm.ckpt_path import check_ckpt_path
 from lightning_vlm.counts import check_count
 from lightning_vlm.data.sources import located_sources
+from lightning_vlm.defaults import init_defaults
 from lightning_vlm.methods.dynamic_sampling import DynamicSampling
 from lightning_vlm.models.model_source import check_model_source
 
@@ -287,12 +287,12 @@ def _warn_unread_correction(method: Any, callbacks: Any) -> None:
         return
     from lightning_vlm.methods.online import OnlineRL
 
-    defaults = inspect.signature(OnlineRL.__init__).parameters
+    defaults = init_defaults(OnlineRL)
     changed = [
         f"method.{key}={method[key]!r}"
         for key in ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
                     "vllm_importance_sampling_clip_min")
-        if key in method and method[key] != defaults[key].default
+        if key in method and method[key] != defaults[key]
     ]  # fmt: skip
     if changed:
         log.warning("%s: these do nothing with generation by HF generate (the policy samples, so there is no "

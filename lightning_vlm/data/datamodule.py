@@ -33,6 +33,7 @@ from lightning_vlm.data.synthetic import SYNTHETIC_OPTIONS
 from lightning_vlm.data.templates import RowFormat
 from lightning_vlm.data.unpair import UnpairedView, unpair
 from lightning_vlm.data.val_batches import BatchedRows, ShardBatches
+from lightning_vlm.defaults import config_value
 
 logger = logging.getLogger("lightning_vlm.data")
 
@@ -144,8 +145,7 @@ class VLMDataModule(L.LightningDataModule):
         )
         # The task's whole settings as plain values, before they are recorded (a checkpoint's hparams load
         # with weights_only=True, and loggers write them as YAML).
-        synthetic = {**SYNTHETIC_OPTIONS, **(plain(synthetic) or {})}
-        synthetic = {k: list(v) if isinstance(v, tuple) else v for k, v in synthetic.items()}
+        synthetic = config_value({**SYNTHETIC_OPTIONS, **(plain(synthetic) or {})})
         self.save_hyperparameters()
         self.hparams.update(val_split=val_split, val_fraction=val_fraction, synthetic=synthetic)
         # reason -> rows skipped with on_bad_row="skip": in setup, and at load when num_workers=0

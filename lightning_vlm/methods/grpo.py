@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import logging
 from collections.abc import Callable
 from typing import Any, Unpack
 
 import torch
 
+from lightning_vlm.defaults import init_defaults
 from lightning_vlm.losses.advantages import (
     AGGREGATIONS,
     SCALE_REWARDS,
@@ -179,8 +179,7 @@ class GRPO(OnlineRL):
         _check(self.hparams.num_generations >= 2,
                f"GRPO compares completions within a group: num_generations must be >= 2, got "
                f"{self.hparams.num_generations} (every advantage would be 0)")  # fmt: skip
-        defaults = {k: p.default for k, p in inspect.signature(GRPO.__init__).parameters.items()}
-        unread = unread_settings(dict(self.hparams), defaults, self.policy_moves)
+        unread = unread_settings(dict(self.hparams), init_defaults(GRPO), self.policy_moves)
         unread_advice = [f"these settings do nothing here: {', '.join(unread)}"] if unread else []
         for advice in [*level_advice(loss_type, importance_sampling_level), *unread_advice]:
             if launcher_rank() == 0:  # every rank builds the module; one warning is enough
