@@ -68,6 +68,8 @@ def _descendants(pid: int) -> list[psutil.Process]:
 def _signal(processes: list[psutil.Process], sig: int) -> None:
     for p in processes:
         try:
+            if sig == signal.SIGABRT:  # its stacks, not a core file of gigabytes where core dumps are on
+                p.rlimit(psutil.RLIMIT_CORE, (0, 0))
             p.send_signal(sig)
-        except psutil.NoSuchProcess:
+        except psutil.Error:  # gone already, or not ours to limit (it then gets no SIGABRT)
             pass
