@@ -92,8 +92,10 @@ def test_a_sweep_is_refused_when_lightning_would_launch_the_processes(tmp_path):
 
 def test_a_sweep_under_torchrun_runs_every_method_on_two_processes(tmp_path):
     methods = group_options("method")
+    # A small final validation (its values are not read): each rank still runs a batch of it.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
-           "-m", *DDP, f"method={','.join(methods)}", "trainer.max_steps=3", "logger=csv"]  # fmt: skip
+           "-m", *DDP, f"method={','.join(methods)}", "trainer.max_steps=3", "logger=csv",
+           "data.synthetic.num_val=8"]  # fmt: skip
     env = {**_env(tmp_path), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
