@@ -88,9 +88,10 @@ def learn(generation: str, warm: str, out: Path) -> None:
 def server(warm: str, out: Path) -> None:
     """A few GRPO steps of 2 processes against one server that rank 0 starts; parity after each push."""
     folder = out / "server"
+    # Its validation (8 prompts: no test reads its values) is the only one through a server on 2 ranks.
     overrides = [*learning_overrides(warm, "vllm_server", folder), "callbacks.vllm_generation.start_server=true",
                  "trainer.limit_train_batches=4", "trainer.val_check_interval=4", "validate_before_fit=false",
-                 "callbacks.parity.every=1"]  # fmt: skip
+                 "callbacks.parity.every=1", "data.synthetic.num_val=8"]  # fmt: skip
     train(compose_train(overrides, folder))
 
 
