@@ -17,7 +17,8 @@ train: install
 # fixtures, e.g. a vLLM report, are built once), longest files first (tests/order.py); conftest.py
 # shares the cores among them.
 TEST_WORKERS ?= 2
-XDIST := -n $(TEST_WORKERS) --dist loadfile
+# --no-loadscope-reorder: xdist would hand out files by their number of tests, not in the order given.
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Everything, slow learning and end-to-end tests included (CI runs this).
 test: install

@@ -1,11 +1,13 @@
 """The order pytest-xdist hands out test files in: longest first, by their measured durations.
 
 ``make test`` runs files on two workers (``--dist loadfile``), each worker holding one file queued
-ahead. In pytest-randomly's shuffled order, a long file handed out last keeps one worker busy while
-the other idles: simulated on the durations measured for ``durations.json``, the suite's wall time
-over 200 shuffled orders was 36.8 min (median), 39.0 (9 in 10) and 43.0 (worst), against 35.7 longest
-first, which is also the even split. Files keep their shuffled order among themselves where their
-durations tie (files not measured count 0 and go last); tests keep theirs within a file.
+ahead. By default xdist hands out the files with the most tests first, so the learning files (a few
+tests of minutes each) came late, and one handed out last kept one worker busy while the other idled.
+Simulated on the durations measured for ``durations.json`` over 200 shuffled orders, the suite's wall
+time was 36.3 min (median), 38.1 (9 in 10) and 39.0 (worst) in that order, against 35.7 longest first,
+which is also the even split. The Makefile turns xdist's own reordering off
+(``--no-loadscope-reorder``). Files keep their shuffled order among themselves where their durations
+tie (files not measured count 0 and go last); tests keep theirs within a file.
 
 Refresh the durations after adding slow tests (the order only; nothing depends on the values)::
 
