@@ -49,10 +49,16 @@ def stop_with_stacks(proc: subprocess.Popen) -> tuple[str, str]:
     every thread's Python stack to its stderr (a vLLM server to its log), so a hang that CI met once
     says where it was. Then the whole process group is killed (torchrun's workers too, which would
     otherwise outlive it and load the machine). Returns the output (stdout, stderr)."""
+    # Stopped first: torchrun would see its workers die, stop the others and exit 1 on its own, so the
+    # result would not say "killed" (-9), and the workers would get its SIGTERM while writing stacks.
+    os.kill(proc.pid, signal.SIGSTOP)
     # torchrun gives each worker a session of its own: kill them too, or they hold the pipes open
     children = _descendants(proc.pid)
     _signal(children, signal.SIGABRT)
-    psutil.wait_procs(children, timeout=STACK_DUMP_WAIT)
+    try:  # read the pipes meanwhile: stacks that filled one would block in faulthandler, cut short
+        proc.communicate(timeout=STACK_DUMP_WAIT)  # (the output read so far is kept for the next call)
+    except subprocess.TimeoutExpired:
+        pass
     _signal([*_descendants(proc.pid), *children], signal.SIGKILL)
     os.killpg(proc.pid, signal.SIGKILL)
     return proc.communicate()
