@@ -34,7 +34,7 @@ def torchrun(
 
 
 def start_torchrun(script: Path, args: list[str], nproc: int = 2) -> subprocess.Popen:
-    """The torchrun launch of ``torchrun``, not waited for (its output piped, text)."""
+    """The launch ``torchrun`` makes, not waited for (its output piped, as text)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
            "PYTHONFAULTHANDLER": "1",
            "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}  # fmt: skip
@@ -59,7 +59,7 @@ def stop_with_stacks(proc: subprocess.Popen) -> tuple[str, str]:
         proc.communicate(timeout=STACK_DUMP_WAIT)  # (the output read so far is kept for the next call)
     except subprocess.TimeoutExpired:
         pass
-    _signal([*_descendants(proc.pid), *children], signal.SIGKILL)
+    _signal(children, signal.SIGKILL)  # a stopped torchrun starts no more
     os.killpg(proc.pid, signal.SIGKILL)
     return proc.communicate()
 
@@ -67,7 +67,7 @@ def stop_with_stacks(proc: subprocess.Popen) -> tuple[str, str]:
 def _descendants(pid: int) -> list[psutil.Process]:
     try:
         return psutil.Process(pid).children(recursive=True)
-    except psutil.Error:  # torchrun exited (it does once its workers died): its session is killed whole
+    except psutil.Error:  # torchrun ended just before it was stopped: its session is killed whole
         return []
 
 

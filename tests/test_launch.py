@@ -21,9 +21,8 @@ def test_a_stopped_launch_reports_where_each_worker_was(tmp_path):
     script = tmp_path / "hangs.py"
     script.write_text(HANGS)
     proc = start_torchrun(script, [str(tmp_path)])
-    deadline = (
-        time.monotonic() + 300
-    )  # both workers in the function (torchrun starts slowly on a busy machine)
+    # both workers in the function (torchrun starts slowly on a busy machine)
+    deadline = time.monotonic() + 300
     while len(list(tmp_path.glob("in-*"))) < 2 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     _, err = stop_with_stacks(proc)
