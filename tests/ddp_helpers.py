@@ -205,6 +205,15 @@ EQUIVALENCE: dict[str, list[str]] = {
     ],  # fmt: skip
     "dpo": ["method=dpo", "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl"],
     "mpo": ["method=mpo", "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl"],
+    # TR-DPO: the reference mixed with the policy after steps 1 and 2, alike on every rank, so steps 2 and 3
+    # score against the same moved reference as one process
+    "dpo_ref_sync": [
+        "method=dpo",
+        "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl",
+        "+callbacks.sync_ref._target_=lightning_vlm.callbacks.reference_sync.ReferenceSync",
+        "+callbacks.sync_ref.sync_steps=1",
+        "+callbacks.sync_ref.mixup_alpha=0.5",
+    ],  # fmt: skip
     # TRL's sft term (mean over every chosen token of the batch): normalised by all ranks' tokens
     "mpo_token_mean": [
         "method=mpo",

@@ -92,6 +92,7 @@ SAME_LOGGED_METRICS = (
     "sft_accumulated",
     "sft_mixed",
     "dpo",
+    "dpo_ref_sync",
     "mpo",
     "mpo_token_mean",
     "dpo_precomputed",

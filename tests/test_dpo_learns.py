@@ -10,10 +10,18 @@ its losses (kto, apo_zero_unpaired).
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 
 from helpers import compose_train
 from lightning_vlm.training import train
+
+
+class KeepInitialReference(L.Callback):
+    """The reference's weights before training, for a validation against them after TR-DPO's syncs."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.weights = {k: v.detach().clone() for k, v in pl_module.ref.copy.state_dict().items()}
 
 
 def _run(run: str, tmp_path) -> tuple[dict, dict]:
@@ -25,11 +33,26 @@ def _run(run: str, tmp_path) -> tuple[dict, dict]:
         tmp_path,
     )  # fmt: skip
     metrics, out = train(cfg)
+    if run == "dpo_ref_sync":
+        # The logged accuracy is against the reference of the last sync (step 90), which has taken half of
+        # what the policy had learned by then; how much the policy learned shows against the initial one.
+        module, trainer = out["module"], out["trainer"]
+        keep = next(c for c in trainer.callbacks if isinstance(c, KeepInitialReference))
+        module.ref.copy.load_state_dict(keep.weights)
+        [metrics["initial_reference"]] = trainer.validate(module, datamodule=out["datamodule"], verbose=False)
     return out["initial_metrics"], metrics
 
 
 RUNS = {
     "dpo": ["method=dpo"],
+    # TR-DPO (TRL's sync_ref_model): the reference mixed halfway towards the policy every 30 steps
+    "dpo_ref_sync": [
+        "method=dpo",
+        "+callbacks.sync_ref._target_=lightning_vlm.callbacks.reference_sync.ReferenceSync",
+        "+callbacks.sync_ref.sync_steps=30",
+        "+callbacks.sync_ref.mixup_alpha=0.5",
+        "+callbacks.initial._target_=test_dpo_learns.KeepInitialReference",
+    ],  # fmt: skip
     "mpo": ["method=mpo"],
     "kto": ["method=kto"],
     # APO-zero on unpaired rows: KTO's other loss, no reference point, one sequence per row. On this task
@@ -44,7 +67,11 @@ RUNS = {
 def test_default_run_raises_preference_accuracy_to_090_and_answers_do_not_get_worse(run, tmp_path):
     before, after = _run(run, tmp_path)
     assert before["val/rewards/accuracies"] == pytest.approx(0.5, abs=0.05), before
-    assert after["val/rewards/accuracies"] >= 0.9, (before, after)
+    if run == "dpo_ref_sync":  # against the initial reference; against the last synced one, above chance
+        assert after["initial_reference"]["val/rewards/accuracies"] >= 0.9, after["initial_reference"]
+        assert after["val/rewards/accuracies"] >= 0.75, (before, after)
+    else:
+        assert after["val/rewards/accuracies"] >= 0.9, (before, after)
     # 128 held-out rows: one answer is 0.8%; allow a few to flip.
     assert after["val/answer_accuracy"] >= before["val/answer_accuracy"] - 0.03, (before, after)
     if not run.startswith("kto"):  # a KTO batch may lack one label, and then has no margin

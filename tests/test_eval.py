@@ -140,6 +140,19 @@ def test_eval_of_a_dpo_checkpoint_reports_preference_accuracy(sft_run, tmp_path)
     assert report["task_name"] == "dpo" and report["num_rows"] == 8
 
 
+def test_eval_of_a_tr_dpo_checkpoint_scores_against_its_synced_reference(sft_run, tmp_path):
+    # The reference mixed with the policy after each step (callbacks/reference_sync.py): the checkpoint
+    # carries it, and eval (without the callback) scores what training's validation scored, not against
+    # the SFT export it would rebuild.
+    start = [f"model.model_name_or_path={sft_run[0] / 'hf'}", "method=dpo"]
+    sync = ["+callbacks.sync_ref._target_=lightning_vlm.callbacks.reference_sync.ReferenceSync",
+            "+callbacks.sync_ref.sync_steps=1", "+callbacks.sync_ref.mixup_alpha=0.5"]  # fmt: skip
+    trained = _trained([*start, *sync], tmp_path / "dpo")
+    report = _evaluate([*start, f"ckpt_path={tmp_path / 'dpo' / 'ckpt' / 'step2.ckpt'}"], tmp_path / "eval")
+    assert trained["val/rewards/margins"] != 0
+    _assert_same(report["metrics"], _val(trained))
+
+
 @pytest.mark.parametrize("method", ["dpo", "kto"])
 def test_eval_of_an_hf_folder_warns_that_the_reference_is_the_model_itself(method, sft_run, tmp_path, caplog):
     # Every implicit reward is then 0 (accuracy 0.5 by construction); KTO said nothing.

@@ -36,6 +36,7 @@ from lightning_vlm.methods.reference_cache import (
     processor_fingerprint,
     weights_fingerprint,
 )
+from lightning_vlm.methods.reference_state import KeepsReference
 from lightning_vlm.methods.step_window import StepWindow, WholeSteps, window_of
 from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_tokens
 from lightning_vlm.models.reference import ReferenceModel
@@ -63,7 +64,7 @@ def chosen_answers(rows: list[dict]) -> list[str]:
     return [message_text(row["chosen"][-1]) for row in rows]
 
 
-class DPO(RootCalls, FactoryOptimized):
+class DPO(KeepsReference, RootCalls, FactoryOptimized):
     """DPO with TRL's knobs: ``loss_type`` list, ``loss_weights``, ``beta``, ``label_smoothing``; and
     ``sft_normalization`` for the ``sft`` term ("per_example", ours, or TRL's "token_mean");
     ``bco_running_delta`` (``bco_pair``'s reward shift δ, the running mean of past implicit rewards as in
@@ -143,6 +144,10 @@ class DPO(RootCalls, FactoryOptimized):
         return name.replace("/", "__")  # ModuleDict keys cannot hold "/" or "."
 
     # ---- reference ------------------------------------------------------------------------------------
+    def training_reference(self) -> ReferenceModel | None:
+        # Precomputed: training reads stored log-probs, and on_fit_start releases the copy.
+        return None if self.hparams.precompute_ref_logps else self.ref
+
     def _cache(self) -> ReferenceLogpCache:
         if self.ref_cache is None:
             hp = self.hparams

@@ -44,6 +44,7 @@ from lightning_vlm.methods.common import (
 )
 from lightning_vlm.methods.preference_batch import PairBatch, encode_columns
 from lightning_vlm.methods.reference_cache import prompt_key
+from lightning_vlm.methods.reference_state import KeepsReference
 from lightning_vlm.methods.step_window import StepWindow, WholeSteps, window_of
 from lightning_vlm.methods.val_tokens import check_setting, resolve_val_max_new_tokens
 from lightning_vlm.models.reference import ReferenceModel
@@ -126,7 +127,7 @@ def desirable_answers(rows: list[dict]) -> list[str]:
     return [a for a in reference_answers(rows) if a is not None] or [""]
 
 
-class KTO(FactoryOptimized):
+class KTO(KeepsReference, FactoryOptimized):
     """KTO with TRL's knobs: ``beta``, ``desirable_weight``, ``undesirable_weight``, ``loss_type``."""
 
     data_shape: ClassVar[str] = "unpaired"  # the rows it trains on (data=unpaired; pairs are unpaired)

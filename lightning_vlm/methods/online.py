@@ -53,6 +53,7 @@ from lightning_vlm.methods.online_metrics import (
     step_value,
 )
 from lightning_vlm.methods.online_sampling import RolloutSampling
+from lightning_vlm.methods.reference_state import KeepsReference
 from lightning_vlm.methods.rollout_buffer import RolloutBatch, Step, check_rollout_counts, global_counts
 from lightning_vlm.methods.step_layout import rank_chunks
 from lightning_vlm.models.reference import ReferenceModel
@@ -73,7 +74,7 @@ log = logging.getLogger(__name__)
 _CUT_KEY = "lightning_vlm/generation_cut"
 
 
-class OnlineRL(RootCalls, RolloutSampling):
+class OnlineRL(KeepsReference, RootCalls, RolloutSampling):
     """Base of GRPO, RLOO and Online DPO: subclasses give ``compute_advantages`` and ``loss``."""
 
     data_shape: ClassVar[str] = "prompt"  # the rows it samples from (data=prompt)

@@ -5,6 +5,9 @@ reference forward runs the policy's own model inside PEFT's ``disable_adapter()`
 LoRA a deep copy is taken once at construction (so it is the policy's initial weights), put in
 eval mode and frozen. Either way :meth:`ReferenceModel.token_logps` runs under ``no_grad`` and in
 eval mode (no dropout), with the same encoding, image-token check and log-prob maths as the policy.
+TR-DPO's syncs (``callbacks/reference_sync.py``) move the frozen copy towards the policy
+(:meth:`ReferenceModel.mix_in_policy`); from then on checkpoints hold its weights
+(``methods/reference_state.py``), since a resume can no longer rebuild it from the model's folder.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ class ReferenceModel:
         # checkpoint holds the policy but not the copy, which a resume or an evaluation rebuilds from
         # model.model_name_or_path. None with LoRA: the reference is the checkpoint's own base weights.
         self.fingerprint = sampled_weights(self.copy) if self.copy is not None else None
+        # True once a sync has mixed the policy in: the copy then no longer holds the initial weights.
+        self.moved = False
 
     @property
     def shares_weights(self) -> bool:
@@ -48,6 +53,28 @@ class ReferenceModel:
         model = self.vlm.model
         with evaluating(model), model.disable_adapter():
             yield self.vlm.hf_model
+
+    def mix_in_policy(self, alpha: float) -> None:
+        """TR-DPO's update of the frozen copy (Gorbatovski et al. 2024, "Learn Your Reference Model for Real
+        Good Alignment"): each weight becomes ``alpha`` x the policy's + (1 - ``alpha``) x its own; alpha = 1
+        is the paper's hard update (a copy)."""
+        if self.copy is None:
+            raise ValueError(
+                "the reference is the policy with its LoRA adapters off: it has no weights of its own to sync"
+            )
+        mix_weights_(self.copy, self.vlm.hf_model, alpha)
+        self.moved = True
+
+    def moved_weights(self) -> dict[str, torch.Tensor] | None:
+        """The frozen copy's weights once a sync has moved them (for a checkpoint), else None."""
+        return self.copy.state_dict() if self.copy is not None and self.moved else None
+
+    def load_moved_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Takes a checkpoint's ``moved_weights``: the copy continues from where the synced run left it."""
+        if self.copy is None:
+            raise ValueError("the reference is the policy with its LoRA adapters off: it takes no weights")
+        self.copy.load_state_dict(weights)  # strict: every weight, into the copy's dtype and device
+        self.moved = True
 
     @torch.no_grad()
     def token_logps(
@@ -89,6 +116,24 @@ class ReferenceModel:
                 if match is not None and match.is_floating_point() and match.dtype != tensor.dtype:
                     tensor.data = tensor.data.to(match.dtype)
         return self
+
+
+@torch.no_grad()
+def mix_weights_(target: torch.nn.Module, source: torch.nn.Module, alpha: float) -> None:
+    """In place: each parameter of ``target`` becomes ``alpha`` x ``source``'s of the same name + (1 - ``alpha``)
+    x its own (in ``target``'s dtype). ``source``'s frozen parameters are skipped: they never left the weights
+    ``target`` was copied from, and mixing equal values would only add rounding. Buffers are not parameters
+    of the policy and stay (TRL mixes parameters only too)."""
+    theirs = dict(source.named_parameters())
+    missing = [name for name, _ in target.named_parameters() if name not in theirs]
+    if missing:
+        raise ValueError(
+            f"the policy has no weights named {missing[:3]}: it is not the model the reference copied"
+        )
+    for name, weight in target.named_parameters():
+        policy = theirs[name]
+        if policy.requires_grad:
+            weight.mul_(1.0 - alpha).add_(policy.detach().to(weight.dtype), alpha=alpha)
 
 
 def sampled_weights(model: torch.nn.Module, per_end: int = 4) -> dict[str, Any]:
