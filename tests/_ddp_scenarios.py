@@ -4,7 +4,8 @@
 
 ``equivalence:<name>`` trains ``ddp_helpers.EQUIVALENCE[name]`` and writes ``OUT/<name>.pt``
 (``fsdp:<name>``: the same under FSDP, ``OUT/fsdp_<name>.pt``);
-``rows`` records each rank's rows over one epoch, and over an interrupted and resumed epoch;
+``rows`` records each rank's rows over one epoch, and over an interrupted and resumed epoch
+(``fsdp_rows`` under FSDP, ``fsdp_ref_sync_rows`` the same with DPO and TR-DPO's reference syncs);
 ``fsdp_export`` writes ExportHFModel's folders from FSDP runs (full weights, LoRA merged);
 ``learn:<generation>:<warm start>`` runs GRPO from the warm start and writes the reward before and
 after; ``server:<warm start>`` runs a few steps against one vLLM server (parity after each push);
@@ -30,6 +31,7 @@ from ddp_helpers import (  # noqa: E402
     COMMON,
     EQUIVALENCE,
     EXPORTS,
+    REF_SYNC,
     TWO_PROCESSES,
     TWO_PROCESSES_FSDP,
     correction_inputs,
@@ -44,6 +46,9 @@ ROWS = [
     "trainer.enable_progress_bar=false", "data.synthetic.num_train=24", *TWO_PROCESSES,
 ]  # fmt: skip
 
+# DPO with TR-DPO's syncs every 2 steps: the resume's checkpoint (step 3) holds the reference moved at step 2
+REF_SYNC_ROWS = ("method=dpo", REF_SYNC[0], "+callbacks.sync_ref.sync_steps=2", REF_SYNC[2])
+
 
 def equivalence(name: str, out: Path, strategy: str = "ddp") -> None:
     world = TWO_PROCESSES if strategy == "ddp" else TWO_PROCESSES_FSDP
@@ -55,11 +60,12 @@ def equivalence(name: str, out: Path, strategy: str = "ddp") -> None:
         (out / f"{tag}.metrics.json").write_text(json.dumps({k: float(v) for k, v in metrics.items()}))
 
 
-def rows(out: Path, strategy: str = "ddp") -> None:
+def rows(out: Path, strategy: str = "ddp", method: tuple[str, ...] = (), tag: str | None = None) -> None:
     """One whole epoch (6 steps of 2 × 2 rows); then the same epoch stopped after 3 steps and resumed
-    (under FSDP from sharded checkpoints: one file per rank)."""
-    tag = "rows" if strategy == "ddp" else f"{strategy}_rows"
+    (under FSDP from sharded checkpoints: one file per rank). ``method``: another method's overrides."""
+    tag = tag or ("rows" if strategy == "ddp" else f"{strategy}_rows")
     world = ROWS if strategy == "ddp" else [o for o in ROWS if o not in TWO_PROCESSES] + TWO_PROCESSES_FSDP
+    world = [o for o in world if not (method and o == "method=sft")] + list(method)
     record = "+callbacks.rows._target_=ddp_helpers.RecordRows"
     save = "+callbacks.save._target_=ddp_helpers.SaveWeights"
     whole = [*world, "trainer.max_steps=6", record, f"+callbacks.rows.dirpath={out / f'{tag}_whole'}",
@@ -282,6 +288,8 @@ def main() -> None:
                 rows(out)
             elif name == "fsdp_rows":
                 rows(out, strategy="fsdp")
+            elif name == "fsdp_ref_sync_rows":
+                rows(out, "fsdp", REF_SYNC_ROWS, tag=name)
             elif name == "fsdp_export":
                 fsdp_export(out)
             elif name == "collectives":

@@ -180,6 +180,9 @@ KTO_VALIDATION = [
     "trainer.limit_val_batches=2",
     "method.val_max_new_tokens=2",
 ]
+# TR-DPO's syncs (callbacks/reference_sync.py): the reference mixed halfway towards the policy every step
+REF_SYNC = ["+callbacks.sync_ref._target_=lightning_vlm.callbacks.reference_sync.ReferenceSync",
+            "+callbacks.sync_ref.sync_steps=1", "+callbacks.sync_ref.mixup_alpha=0.5"]  # fmt: skip
 # Answers of 1 to 5 words: token counts differ between ranks, so only a loss normalised over all
 # ranks' tokens matches the one-process run (see write_variable_length_data).
 EQUIVALENCE: dict[str, list[str]] = {
@@ -205,15 +208,9 @@ EQUIVALENCE: dict[str, list[str]] = {
     ],  # fmt: skip
     "dpo": ["method=dpo", "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl"],
     "mpo": ["method=mpo", "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl"],
-    # TR-DPO: the reference mixed with the policy after steps 1 and 2, alike on every rank, so steps 2 and 3
-    # score against the same moved reference as one process
-    "dpo_ref_sync": [
-        "method=dpo",
-        "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl",
-        "+callbacks.sync_ref._target_=lightning_vlm.callbacks.reference_sync.ReferenceSync",
-        "+callbacks.sync_ref.sync_steps=1",
-        "+callbacks.sync_ref.mixup_alpha=0.5",
-    ],  # fmt: skip
+    # TR-DPO: the reference mixed with the policy after steps 1 and 2, alike on every rank (under FSDP from
+    # the gathered units), so steps 2 and 3 score against the same moved reference as one process
+    "dpo_ref_sync": ["method=dpo", "data.train=${oc.env:DDP_TEST_DATA}/preference.jsonl", *REF_SYNC],
     # TRL's sft term (mean over every chosen token of the batch): normalised by all ranks' tokens
     "mpo_token_mean": [
         "method=mpo",
@@ -352,6 +349,7 @@ FSDP_EQUIVALENCE = (
     "sft_mixed",
     "kto_mixed",
     "dpo",
+    "dpo_ref_sync",
     "dpo_precomputed_lora",
     "grpo_dapo",
     "grpo_skipped_row",

@@ -64,6 +64,7 @@ def two_processes(tiny_path, data_dir, tmp_path_factory):
         *[f"fsdp:{n}" for n in FSDP_EQUIVALENCE],
         "rows",
         "fsdp_rows",
+        "fsdp_ref_sync_rows",
         "fsdp_export",
     ]
     proc = torchrun(SCRIPT, [str(out), *scenarios], timeout=900)
@@ -180,15 +181,16 @@ def test_ranks_train_on_disjoint_halves_of_the_one_process_epoch(two_processes, 
     assert [f + s for f, s in zip(first, second, strict=True)] == whole
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp_ref_sync"])
 def test_a_resumed_two_process_run_matches_the_uninterrupted_one_bitwise(two_processes, strategy):
-    # FSDP: from a sharded checkpoint (each rank its shard of the weights and optimizer state)
-    tag = "rows" if strategy == "ddp" else "fsdp_rows"
+    # FSDP: from a sharded checkpoint (each rank its shard of the weights and optimizer state); with DPO's
+    # TR-DPO syncs every 2 steps, its metadata also holds the reference moved at step 2
+    tag = "rows" if strategy == "ddp" else f"{strategy}_rows"
     whole = torch.load(two_processes / f"{tag}_whole.pt", weights_only=True)
     resumed = torch.load(two_processes / f"{tag}_resumed.pt", weights_only=True)
     assert whole.keys() == resumed.keys()
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
-    assert (two_processes / f"{tag}_ckpt" / "mid.ckpt").is_dir() == (strategy == "fsdp")
+    assert (two_processes / f"{tag}_ckpt" / "mid.ckpt").is_dir() == (strategy != "ddp")
 
 
 def test_resuming_on_another_world_size_continues_the_epoch_with_a_warning(two_processes, tmp_path, caplog):

@@ -1,7 +1,7 @@
 """TR-DPO's reference syncs (callbacks/reference_sync.py, TRL's sync_ref_model): the update by hand, the
 steps it runs at (accumulated and online runs), the checkpoint that carries the moved reference, and the
-settings it refuses. The two-process run is in test_ddp_equivalence.py ("dpo_ref_sync"), learning in
-test_dpo_learns.py."""
+settings it refuses. Two processes (DDP and FSDP) are in test_ddp_equivalence.py ("dpo_ref_sync"), learning
+in test_dpo_learns.py."""
 
 from __future__ import annotations
 
@@ -27,22 +27,36 @@ SGD = ["method.optimizer._target_=torch.optim.SGD", "method.optimizer.lr=0.5"]
 
 
 def test_the_mix_is_tr_dpo_soft_update_by_hand():
-    torch.manual_seed(0)
     policy, reference = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
-    policy.bias.requires_grad_(False)  # a frozen weight: equal in both by construction, never mixed
     with torch.no_grad():
         policy.weight.copy_(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
         reference.weight.copy_(torch.tensor([[0.0, 2.0], [-1.0, 8.0]]))
     bias = reference.bias.detach().clone()
-    mix_weights_(reference, policy, 0.25)
+    mix_weights_(reference, {"weight": policy.weight}, 0.25)  # the bias not named: it stays
     # 0.25 * policy + 0.75 * reference
     expected = torch.tensor([[0.25, 2.0], [0.0, 7.0]])
     torch.testing.assert_close(reference.weight.detach(), expected, rtol=0, atol=0)
     assert torch.equal(reference.bias, bias)
-    mix_weights_(reference, policy, 1.0)  # the hard update: a copy
+    mix_weights_(reference, {"weight": policy.weight}, 1.0)  # the hard update: a copy
     assert torch.equal(reference.weight, policy.weight)
     with pytest.raises(ValueError, match="no weights named"):
-        mix_weights_(torch.nn.Sequential(torch.nn.Linear(2, 2)), policy, 0.5)
+        mix_weights_(reference, {"0.weight": policy.weight}, 0.5)
+
+
+def test_a_sync_mixes_the_weights_the_policy_trains_only(tmp_path):
+    module = _module(["method=dpo", "model.freeze_vision_tower=true"], tmp_path)
+    frozen = {n for n, p in module.vlm.hf_model.named_parameters() if not p.requires_grad}
+    assert frozen and len(frozen) < len(dict(module.vlm.hf_model.named_parameters()))
+    with torch.no_grad():
+        for p in module.vlm.hf_model.parameters():
+            p.add_(1.0)  # the policy moved everywhere, even where it cannot train
+    before = {n: p.detach().clone() for n, p in module.ref.copy.named_parameters()}
+    module.ref.mix_in_policy(0.5)
+    policy = dict(module.vlm.hf_model.named_parameters())
+    for name, value in module.ref.copy.named_parameters():
+        expected = before[name] if name in frozen else 0.5 * before[name] + 0.5 * policy[name]
+        torch.testing.assert_close(value.detach(), expected, rtol=0, atol=1e-7, msg=name)
+    assert module.ref.moved and module.ref.moved_weights() is not None
 
 
 @pytest.mark.parametrize(("alpha", "steps"), [(0.0, 1), (1.5, 1), (0.5, 0), (0.5, 2.5), (0.5, True)])
@@ -184,12 +198,11 @@ def test_every_method_with_a_frozen_reference_is_synced(overrides, tmp_path):
     assert ReferenceSync().check(DDPStrategy(), module) is module.ref
 
 
-@pytest.mark.parametrize("strategy", [FSDPStrategy, DeepSpeedStrategy])
-def test_sharded_strategies_are_refused(strategy, tmp_path):
+def test_deepspeed_is_refused(tmp_path):
     module = _module(["method=dpo"], tmp_path)
-    ReferenceSync().check(DDPStrategy(), module)  # the module itself is fine
-    with pytest.raises(ValueError, match="trainer=ddp"):
-        ReferenceSync().check(strategy(), module)
+    assert ReferenceSync().check(FSDPStrategy(), module) is module.ref  # FSDP gathers for the mix
+    with pytest.raises(ValueError, match="not DeepSpeed"):
+        ReferenceSync().check(DeepSpeedStrategy(), module)
 
 
 def test_a_refused_run_stops_before_its_first_step(tmp_path):

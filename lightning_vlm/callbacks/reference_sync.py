@@ -10,19 +10,23 @@ The mix runs right after the optimizer step it follows (a hook on the optimizer)
 which take several steps per generation, sync at the step TRL's ``on_step_end`` would, and a checkpoint
 written at that step already holds the mixed copy (``methods/reference_state.py`` saves it). As TRL, it
 refuses LoRA (the reference is the policy with its adapters off, no weights of its own) and precomputed
-reference log-probs; and it runs on one process or DDP, where every rank mixes the same weights.
-FSDP and DeepSpeed would have to gather the sharded policy at each sync: refused, naming the setting.
+reference log-probs. It runs on one process, under DDP, where every rank mixes the same weights, and
+under FSDP, which gathers the sharded policy one unit at a time for the mix (the reference copy is whole on
+every rank there, as without syncs). DeepSpeed steps its optimizer inside its engine: refused.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
-from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
+import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
 
 from lightning_vlm.models.reference import ReferenceModel
+from lightning_vlm.parallel.fsdp import clean_name, sharded_root, unit_state_chunks
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +58,10 @@ class ReferenceSync(L.Callback):
     def check(self, strategy: Strategy, pl_module: L.LightningModule) -> ReferenceModel:
         """The reference model to sync; refuses a strategy or a method it cannot sync, naming the setting."""
         name = type(pl_module).__name__
-        if isinstance(strategy, FSDPStrategy | DeepSpeedStrategy):
+        if isinstance(strategy, DeepSpeedStrategy):
             raise ValueError(
-                f"callbacks.sync_ref (TR-DPO) runs on one process or trainer=ddp, not {type(strategy).__name__}: "
-                "each sync would gather the sharded policy"
+                "callbacks.sync_ref (TR-DPO) runs on one process, trainer=ddp or trainer=fsdp, not DeepSpeed, "
+                "whose optimizer steps inside its engine"
             )
         reference = pl_module.training_reference() if isinstance(pl_module, HasTrainingReference) else None
         if reference is None:
@@ -78,11 +82,26 @@ class ReferenceSync(L.Callback):
         # Optimizers exist (and are restored) by now. The hook runs inside every real step, automatic or
         # manual, and only then: accumulated micro-batches and skipped steps add no sync.
         reference = self.check(trainer.strategy, pl_module)
+        root = sharded_root(trainer.strategy.model)
+        trainable = {clean_name(n) for n, p in pl_module.vlm.hf_model.named_parameters() if p.requires_grad}
+        if not trainable & dict(reference.copy.named_parameters()).keys():
+            # FSDP without use_orig_params names its flat parameters only: nothing would be mixed.
+            raise ValueError(
+                "callbacks.sync_ref finds none of the policy's trainable weights in the reference copy: under "
+                "trainer=fsdp set trainer.strategy.use_orig_params=true (conf/trainer/fsdp.yaml's)"
+            )
+
+        def parts() -> Iterator[dict[str, torch.Tensor]] | None:
+            if root is None:
+                return None  # the policy's own parameters, whole on every process
+            # FSDP: one unit gathered at a time (a collective: every rank syncs at the same step)
+            chunks = unit_state_chunks(root, pl_module.vlm.hf_model)
+            return ({n: t for n, t in chunk.items() if n in trainable} for chunk in chunks)
 
         def after_step(*_: Any) -> None:
             # Lightning counts the step once the optimizer returns: this is step global_step + 1.
             if (trainer.global_step + 1) % self.sync_steps == 0:
-                reference.mix_in_policy(self.mixup_alpha)
+                reference.mix_in_policy(self.mixup_alpha, parts())
                 log.info(
                     "TR-DPO: reference synced at step %d (alpha %g)",
                     trainer.global_step + 1,

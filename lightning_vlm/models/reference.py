@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -54,15 +55,21 @@ class ReferenceModel:
         with evaluating(model), model.disable_adapter():
             yield self.vlm.hf_model
 
-    def mix_in_policy(self, alpha: float) -> None:
+    def mix_in_policy(self, alpha: float, parts: Iterable[Mapping[str, torch.Tensor]] | None = None) -> None:
         """TR-DPO's update of the frozen copy (Gorbatovski et al. 2024, "Learn Your Reference Model for Real
-        Good Alignment"): each weight becomes ``alpha`` x the policy's + (1 - ``alpha``) x its own; alpha = 1
-        is the paper's hard update (a copy)."""
+        Good Alignment"): each weight the policy trains becomes ``alpha`` x the policy's + (1 - ``alpha``) x
+        its own; alpha = 1 is the paper's hard update (a copy). ``parts``: the policy's trainable weights in
+        parts, at full size and under the unwrapped model's names (FSDP's units, gathered one at a time); by
+        default its own trainable parameters. Frozen weights never left the values the copy was taken
+        from: mixing equal values would only add rounding."""
         if self.copy is None:
             raise ValueError(
                 "the reference is the policy with its LoRA adapters off: it has no weights of its own to sync"
             )
-        mix_weights_(self.copy, self.vlm.hf_model, alpha)
+        if parts is None:
+            parts = [{n: p for n, p in self.vlm.hf_model.named_parameters() if p.requires_grad}]
+        for part in parts:
+            mix_weights_(self.copy, part, alpha)
         self.moved = True
 
     def moved_weights(self) -> dict[str, torch.Tensor] | None:
@@ -119,21 +126,17 @@ class ReferenceModel:
 
 
 @torch.no_grad()
-def mix_weights_(target: torch.nn.Module, source: torch.nn.Module, alpha: float) -> None:
-    """In place: each parameter of ``target`` becomes ``alpha`` x ``source``'s of the same name + (1 - ``alpha``)
-    x its own (in ``target``'s dtype). ``source``'s frozen parameters are skipped: they never left the weights
-    ``target`` was copied from, and mixing equal values would only add rounding. Buffers are not parameters
-    of the policy and stay (TRL mixes parameters only too)."""
-    theirs = dict(source.named_parameters())
-    missing = [name for name, _ in target.named_parameters() if name not in theirs]
-    if missing:
-        raise ValueError(
-            f"the policy has no weights named {missing[:3]}: it is not the model the reference copied"
-        )
-    for name, weight in target.named_parameters():
-        policy = theirs[name]
-        if policy.requires_grad:
-            weight.mul_(1.0 - alpha).add_(policy.detach().to(weight.dtype), alpha=alpha)
+def mix_weights_(target: torch.nn.Module, source: Mapping[str, torch.Tensor], alpha: float) -> None:
+    """In place: each parameter of ``target`` named in ``source`` becomes ``alpha`` x that tensor + (1 -
+    ``alpha``) x itself (in ``target``'s dtype); the others stay. Buffers are not mixed (TRL mixes
+    parameters only too)."""
+    own = dict(target.named_parameters())
+    unknown = [name for name in source if name not in own]
+    if unknown:
+        raise ValueError(f"the reference has no weights named {unknown[:3]}: it is not a copy of this policy")
+    for name, value in source.items():
+        weight = own[name]
+        weight.mul_(1.0 - alpha).add_(value.detach().to(weight.dtype), alpha=alpha)
 
 
 def sampled_weights(model: torch.nn.Module, per_end: int = 4) -> dict[str, Any]:
