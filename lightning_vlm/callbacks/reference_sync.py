@@ -102,11 +102,12 @@ class ReferenceSync(L.Callback):
             # Lightning counts the step once the optimizer returns: this is step global_step + 1.
             if (trainer.global_step + 1) % self.sync_steps == 0:
                 reference.mix_in_policy(self.mixup_alpha, parts())
-                log.info(
-                    "TR-DPO: reference synced at step %d (alpha %g)",
-                    trainer.global_step + 1,
-                    self.mixup_alpha,
-                )
+                if trainer.is_global_zero:  # every rank mixed the same weights: one line for all
+                    log.info(
+                        "TR-DPO: reference synced at step %d (alpha %g)",
+                        trainer.global_step + 1,
+                        self.mixup_alpha,
+                    )
 
         self._hooks = [optimizer.register_step_post_hook(after_step) for optimizer in trainer.optimizers]
 
