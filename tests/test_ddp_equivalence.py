@@ -82,6 +82,19 @@ def _one_process(name: str, tmp_path) -> tuple[dict[str, torch.Tensor], dict]:
     return torch.load(path, weights_only=True), metrics
 
 
+@pytest.fixture(scope="module")
+def one_process(data_dir, tmp_path_factory):
+    """Each scenario's one-process run, run once for both its DDP and its FSDP comparison."""
+    runs: dict[str, tuple[dict[str, torch.Tensor], dict]] = {}
+
+    def get(name: str) -> tuple[dict[str, torch.Tensor], dict]:
+        if name not in runs:
+            runs[name] = _one_process(name, tmp_path_factory.mktemp(f"one_{name}"))
+        return runs[name]
+
+    return get
+
+
 # Dr. GRPO's constant normaliser leaves each group's gradient an exact sum of terms that cancel, so the
 # order the ranks add them in shows more: 1.3e-5 apart on an AMD EPYC, where every other method stays
 # under 4e-7 (a wrong reduction moves weights by the update's size, >= 1e-2 here).
@@ -114,8 +127,8 @@ POOLED_ONLINE_METRICS = {
 @pytest.mark.parametrize(
     ("strategy", "name"), [("ddp", n) for n in EQUIVALENCE] + [("fsdp", n) for n in FSDP_EQUIVALENCE]
 )
-def test_two_processes_update_like_one(strategy, name, two_processes, tiny_path, tmp_path):
-    one, metrics = _one_process(name, tmp_path)
+def test_two_processes_update_like_one(strategy, name, two_processes, one_process, tiny_path):
+    one, metrics = one_process(name)
     if "dynamic_sampling" in name:  # the last step's pool had two tied groups: filtered, then replaced
         assert metrics["train/dynamic_sampling/groups_filtered"] == 2
         assert metrics["train/dynamic_sampling/groups_kept"] == 2
