@@ -110,7 +110,8 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
             # against itself gives every implicit reward 0 (preference accuracy 0.5 by construction).
             log.warning(
                 "Evaluating %s without ckpt_path: the reference is %s itself, so val/rewards/* compare it "
-                "with itself. Evaluate the Lightning checkpoint (reference = the model training began from).",
+                "with itself. Evaluate the Lightning checkpoint (reference = the model training began from, or the "
+                "one TR-DPO's syncs left).",
                 type(module).__name__, cfg.model.model_name_or_path,
             )  # fmt: skip
 

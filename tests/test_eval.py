@@ -149,8 +149,14 @@ def test_eval_of_a_tr_dpo_checkpoint_scores_against_its_synced_reference(sft_run
             "+callbacks.sync_ref.sync_steps=1", "+callbacks.sync_ref.mixup_alpha=0.5"]  # fmt: skip
     trained = _trained([*start, *sync], tmp_path / "dpo")
     report = _evaluate([*start, f"ckpt_path={tmp_path / 'dpo' / 'ckpt' / 'step2.ckpt'}"], tmp_path / "eval")
-    assert trained["val/rewards/margins"] != 0
     _assert_same(report["metrics"], _val(trained))
+    # The same checkpoint without the moved reference scores against the rebuilt SFT export: other rewards.
+    plain = tmp_path / "plain.ckpt"
+    checkpoint = torch.load(tmp_path / "dpo" / "ckpt" / "step2.ckpt", map_location="cpu", weights_only=True)
+    assert checkpoint.pop("lightning_vlm/reference_weights", None) is not None
+    torch.save(checkpoint, plain)
+    rebuilt = _evaluate([*start, f"ckpt_path={plain}"], tmp_path / "eval_plain")["metrics"]
+    assert abs(rebuilt["val/rewards/margins"] - trained["val/rewards/margins"]) > 1e-3, (rebuilt, trained)
 
 
 @pytest.mark.parametrize("method", ["dpo", "kto"])

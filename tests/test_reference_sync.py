@@ -144,6 +144,9 @@ def test_a_resumed_run_continues_from_the_synced_reference(tmp_path):
                          "+callbacks.ckpt.filename=mid"], tmp_path / "b"))  # fmt: skip
     saved = torch.load(ckpt / "mid.ckpt", weights_only=True)
     assert KEY in saved  # synced at step 2: the checkpoint of step 3 holds the moved copy
+    start = dict(_module(["method=dpo"], tmp_path / "start").ref.copy.named_parameters())
+    moved = max((saved[KEY][n] - p).abs().max().item() for n, p in start.items())
+    assert moved > 1e-3, f"the saved reference hardly moved ({moved:.1e}): the comparison would be vacuous"
     _, resumed = train(
         compose_train([*common, "trainer.max_steps=6", f"ckpt_path={ckpt / 'mid.ckpt'}"], tmp_path / "c")
     )
@@ -203,6 +206,37 @@ def test_deepspeed_is_refused(tmp_path):
     assert ReferenceSync().check(FSDPStrategy(), module) is module.ref  # FSDP gathers for the mix
     with pytest.raises(ValueError, match="not DeepSpeed"):
         ReferenceSync().check(DeepSpeedStrategy(), module)
+
+
+@pytest.mark.parametrize(
+    "overrides", [["lora=default"], ["method.precompute_ref_logps=true"]], ids=["lora", "precomputed"]
+)
+def test_a_synced_checkpoint_is_refused_by_a_run_without_a_frozen_copy(overrides, tmp_path):
+    module = _module(["method=dpo", *overrides], tmp_path)
+    with pytest.raises(ValueError, match="synced with the policy"):
+        module.on_load_checkpoint({KEY: {"weight": torch.zeros(1)}})
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["method=kto"],
+        [
+            "method=online_dpo",
+            "method.num_candidates=2",
+            "method.max_completion_length=4",
+            "method.reward_funcs=[online_helpers.token_reward_fn]",
+        ],
+    ],  # fmt: skip
+    ids=["kto", "online_dpo"],
+)
+def test_kto_and_online_dpo_sync_at_their_steps(overrides, tmp_path):
+    cfg = compose_train([*QUIET, *SGD, *overrides, "trainer.max_steps=3", "data.batch_size=2", SYNC,
+                         "+callbacks.sync_ref.sync_steps=2", "+callbacks.sync_ref.mixup_alpha=0.5", RECORD],
+                        tmp_path)  # fmt: skip
+    _, out = train(cfg)
+    record = next(c for c in out["trainer"].callbacks if isinstance(c, RecordSteps))
+    _check_syncs(record, 0.5, every=2, steps=3)
 
 
 def test_a_refused_run_stops_before_its_first_step(tmp_path):

@@ -19,23 +19,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
+from torch.utils.hooks import RemovableHandle
 
+from lightning_vlm.methods.reference_state import KeepsReference
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.parallel.fsdp import clean_name, sharded_root, unit_state_chunks
 
 log = logging.getLogger(__name__)
-
-
-@runtime_checkable
-class HasTrainingReference(Protocol):
-    """A method that can say which reference model its training scores against (``KeepsReference``)."""
-
-    def training_reference(self) -> ReferenceModel | None: ...
 
 
 class ReferenceSync(L.Callback):
@@ -49,7 +44,7 @@ class ReferenceSync(L.Callback):
         if not isinstance(sync_steps, int) or isinstance(sync_steps, bool) or sync_steps <= 0:
             raise ValueError(f"callbacks.sync_ref.sync_steps must be a whole number > 0, got {sync_steps!r}")
         self.mixup_alpha, self.sync_steps = mixup_alpha, sync_steps
-        self._hooks: list[Any] = []
+        self._hooks: list[RemovableHandle] = []
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":  # before any step (and before DPO's precompute or a checkpoint's restore)
@@ -63,7 +58,7 @@ class ReferenceSync(L.Callback):
                 "callbacks.sync_ref (TR-DPO) runs on one process, trainer=ddp or trainer=fsdp, not DeepSpeed, "
                 "whose optimizer steps inside its engine"
             )
-        reference = pl_module.training_reference() if isinstance(pl_module, HasTrainingReference) else None
+        reference = pl_module.training_reference() if isinstance(pl_module, KeepsReference) else None
         if reference is None:
             raise ValueError(
                 f"callbacks.sync_ref (TR-DPO) moves the reference model, and {name} trains without one here: "
@@ -80,7 +75,8 @@ class ReferenceSync(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Optimizers exist (and are restored) by now. The hook runs inside every real step, automatic or
-        # manual, and only then: accumulated micro-batches and skipped steps add no sync.
+        # manual, and only then: accumulated micro-batches add no sync, and neither does a step the fp16
+        # loss scaler skips (Lightning counts it; TRL's on_step_end would sync there).
         reference = self.check(trainer.strategy, pl_module)
         root = sharded_root(trainer.strategy.model)
         trainable = {clean_name(n) for n, p in pl_module.vlm.hf_model.named_parameters() if p.requires_grad}
@@ -101,7 +97,11 @@ class ReferenceSync(L.Callback):
         def after_step(*_: Any) -> None:
             # Lightning counts the step once the optimizer returns: this is step global_step + 1.
             if (trainer.global_step + 1) % self.sync_steps == 0:
-                reference.mix_in_policy(self.mixup_alpha, parts())
+                mixed = reference.mix_in_policy(self.mixup_alpha, parts())
+                if mixed != trainable:  # a weight FSDP's units never yielded would stay unmixed
+                    raise RuntimeError(
+                        f"TR-DPO sync: trainable weights left unmixed: {sorted(trainable - mixed)[:3]}"
+                    )
                 if trainer.is_global_zero:  # every rank mixed the same weights: one line for all
                     log.info(
                         "TR-DPO: reference synced at step %d (alpha %g)",

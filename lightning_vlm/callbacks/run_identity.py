@@ -4,6 +4,8 @@ Lightning restores any checkpoint whose weight names fit the module, so an SFT c
 GRPO continued silently with SFT's optimizer state and step. A frozen-copy reference (DPO, KTO, online
 methods with a KL) is not in the checkpoint: a resume or an evaluation rebuilds it from
 ``model.model_name_or_path``, and another model there changed every reference log-prob without a sign.
+(After TR-DPO's syncs the checkpoint holds the moved copy too, ``methods/reference_state.py``, loaded over
+the rebuilt one: the fingerprint stays the initial weights', so the check below still applies.)
 ``RunIdentity`` records both in every checkpoint train.py writes; ``check_run_identity`` refuses a
 checkpoint whose record (in its ``checkpoint_entries``) differs from the run about to load it (checkpoints
 without one load as before).

@@ -137,8 +137,7 @@ class OnlineRL(KeepsReference, RootCalls, RolloutSampling):
         if disable_dropout:
             turn_off_dropout(vlm)
         self.ref: ReferenceModel | None = ReferenceModel(vlm) if self.needs_reference else None
-        # checkpoints record it (callbacks/run_identity.py)
-        self.reference_fingerprint = self.ref.fingerprint if self.ref is not None else None
+        self.reference_fingerprint = self.ref.fingerprint if self.ref is not None else None  # run_identity.py
         self.val_reward, self.val_answer_accuracy = MeanMetric(), MeanMetric()
         self.val_rewards = torch.nn.ModuleDict({n: MeanMetric() for n in self.scorer.names})
         self.completion_recorder = CompletionRecorder()  # filled when LogCompletions asks

@@ -55,26 +55,35 @@ class ReferenceModel:
         with evaluating(model), model.disable_adapter():
             yield self.vlm.hf_model
 
-    def mix_in_policy(self, alpha: float, parts: Iterable[Mapping[str, torch.Tensor]] | None = None) -> None:
+    def mix_in_policy(
+        self, alpha: float, parts: Iterable[Mapping[str, torch.Tensor]] | None = None
+    ) -> set[str]:
         """TR-DPO's update of the frozen copy (Gorbatovski et al. 2024, "Learn Your Reference Model for Real
         Good Alignment"): each weight the policy trains becomes ``alpha`` x the policy's + (1 - ``alpha``) x
         its own; alpha = 1 is the paper's hard update (a copy). ``parts``: the policy's trainable weights in
         parts, at full size and under the unwrapped model's names (FSDP's units, gathered one at a time); by
         default its own trainable parameters. Frozen weights never left the values the copy was taken
-        from: mixing equal values would only add rounding."""
+        from: mixing equal values would only add rounding. Returns the names of the weights mixed."""
         if self.copy is None:
             raise ValueError(
                 "the reference is the policy with its LoRA adapters off: it has no weights of its own to sync"
             )
         if parts is None:
             parts = [{n: p for n, p in self.vlm.hf_model.named_parameters() if p.requires_grad}]
+        mixed: set[str] = set()
         for part in parts:
             mix_weights_(self.copy, part, alpha)
+            mixed.update(part)
         self.moved = True
+        return mixed
 
     def moved_weights(self) -> dict[str, torch.Tensor] | None:
         """The frozen copy's weights once a sync has moved them (for a checkpoint), else None."""
-        return self.copy.state_dict() if self.copy is not None and self.moved else None
+        if self.copy is None or not self.moved:
+            return None
+        # On the CPU: FSDP's sharded checkpoints keep it in a metadata file that Lightning loads without a
+        # map_location, which would put a whole model on the saving rank's GPU in every process.
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.copy.state_dict().items()}
 
     def load_moved_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Takes a checkpoint's ``moved_weights``: the copy continues from where the synced run left it."""
