@@ -31,14 +31,13 @@ from ddp_helpers import (  # noqa: E402
     COMMON,
     EQUIVALENCE,
     EXPORTS,
-    REF_SYNC,
     TWO_PROCESSES,
     TWO_PROCESSES_FSDP,
     correction_inputs,
     learning_overrides,
 )
 
-from helpers import compose_train  # noqa: E402
+from helpers import REF_SYNC, compose_train  # noqa: E402
 from lightning_vlm.training import train  # noqa: E402
 
 ROWS = [

@@ -16,6 +16,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from helpers import REF_SYNC
 from lightning_vlm.generation.base import OwnWeightsGenerator, Rollouts, SamplingSettings
 
 
@@ -180,9 +181,6 @@ KTO_VALIDATION = [
     "trainer.limit_val_batches=2",
     "method.val_max_new_tokens=2",
 ]
-# TR-DPO's syncs (callbacks/reference_sync.py): the reference mixed halfway towards the policy every step
-REF_SYNC = ["+callbacks.sync_ref._target_=lightning_vlm.callbacks.reference_sync.ReferenceSync",
-            "+callbacks.sync_ref.sync_steps=1", "+callbacks.sync_ref.mixup_alpha=0.5"]  # fmt: skip
 # Answers of 1 to 5 words: token counts differ between ranks, so only a loss normalised over all
 # ranks' tokens matches the one-process run (see write_variable_length_data).
 EQUIVALENCE: dict[str, list[str]] = {

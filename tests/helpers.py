@@ -17,6 +17,9 @@ import lightning_vlm.config  # noqa: F401  (resolvers)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
+# TR-DPO's reference syncs added to a run (callbacks/reference_sync.py); REF_SYNC: halfway every step
+SYNC_REF = "+callbacks.sync_ref._target_=lightning_vlm.callbacks.reference_sync.ReferenceSync"
+REF_SYNC = [SYNC_REF, "+callbacks.sync_ref.sync_steps=1", "+callbacks.sync_ref.mixup_alpha=0.5"]
 
 
 def group_options(group: str) -> list[str]:

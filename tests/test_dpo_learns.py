@@ -13,7 +13,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 
-from helpers import compose_train
+from helpers import SYNC_REF, compose_train
 from lightning_vlm.training import train
 
 
@@ -48,7 +48,7 @@ RUNS = {
     # TR-DPO (TRL's sync_ref_model): the reference mixed halfway towards the policy every 30 steps
     "dpo_ref_sync": [
         "method=dpo",
-        "+callbacks.sync_ref._target_=lightning_vlm.callbacks.reference_sync.ReferenceSync",
+        SYNC_REF,
         "+callbacks.sync_ref.sync_steps=30",
         "+callbacks.sync_ref.mixup_alpha=0.5",
         "+callbacks.initial._target_=test_dpo_learns.KeepInitialReference",

@@ -13,8 +13,9 @@ import lightning as L
 import pytest
 import torch
 
-from helpers import ROOT, compose_train
+from helpers import REF_SYNC, ROOT, compose_train
 from lightning_vlm.evaluation import checkpoint_to_load, evaluate
+from lightning_vlm.methods.reference_state import KEY as REFERENCE_KEY
 from lightning_vlm.training import train
 
 # Small validation sets: every number below is computed on the same 8 rows.
@@ -145,15 +146,13 @@ def test_eval_of_a_tr_dpo_checkpoint_scores_against_its_synced_reference(sft_run
     # carries it, and eval (without the callback) scores what training's validation scored, not against
     # the SFT export it would rebuild.
     start = [f"model.model_name_or_path={sft_run[0] / 'hf'}", "method=dpo"]
-    sync = ["+callbacks.sync_ref._target_=lightning_vlm.callbacks.reference_sync.ReferenceSync",
-            "+callbacks.sync_ref.sync_steps=1", "+callbacks.sync_ref.mixup_alpha=0.5"]  # fmt: skip
-    trained = _trained([*start, *sync], tmp_path / "dpo")
+    trained = _trained([*start, *REF_SYNC], tmp_path / "dpo")
     report = _evaluate([*start, f"ckpt_path={tmp_path / 'dpo' / 'ckpt' / 'step2.ckpt'}"], tmp_path / "eval")
     _assert_same(report["metrics"], _val(trained))
     # The same checkpoint without the moved reference scores against the rebuilt SFT export: other rewards.
     plain = tmp_path / "plain.ckpt"
     checkpoint = torch.load(tmp_path / "dpo" / "ckpt" / "step2.ckpt", map_location="cpu", weights_only=True)
-    assert checkpoint.pop("lightning_vlm/reference_weights", None) is not None
+    assert checkpoint.pop(REFERENCE_KEY, None) is not None
     torch.save(checkpoint, plain)
     rebuilt = _evaluate([*start, f"ckpt_path={plain}"], tmp_path / "eval_plain")["metrics"]
     assert abs(rebuilt["val/rewards/margins"] - trained["val/rewards/margins"]) > 1e-3, (rebuilt, trained)

@@ -14,14 +14,13 @@ import torch
 import yaml
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 
-from helpers import CONF, compose_train
+from helpers import CONF, SYNC_REF, compose_train
 from lightning_vlm.callbacks.reference_sync import ReferenceSync
 from lightning_vlm.methods.reference_state import KEY
 from lightning_vlm.models.reference import mix_weights_
 from lightning_vlm.training import train
 
 QUIET = ["logger=none", "callbacks=none", "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false"]
-SYNC = "+callbacks.sync_ref._target_=lightning_vlm.callbacks.reference_sync.ReferenceSync"
 RECORD = "+callbacks.record._target_=test_reference_sync.RecordSteps"
 SGD = ["method.optimizer._target_=torch.optim.SGD", "method.optimizer.lr=0.5"]
 
@@ -101,7 +100,14 @@ class RecordSteps(L.Callback):
             optimizer.register_step_post_hook(record)
 
 
-def _check_syncs(record: RecordSteps, alpha: float, every: int, steps: int) -> None:
+def _check_syncs(overrides: list[str], alpha: float, every: int, steps: int, tmp_path) -> None:
+    """Trains ``steps`` optimizer steps with a sync every ``every`` at ``alpha``; after each step the reference
+    must be the hand-computed mix of the policies recorded at the sync steps."""
+    cfg = compose_train([*QUIET, *SGD, *overrides, "data.batch_size=2", f"trainer.max_steps={steps}", SYNC_REF,
+                         f"+callbacks.sync_ref.sync_steps={every}", f"+callbacks.sync_ref.mixup_alpha={alpha}",
+                         RECORD], tmp_path)  # fmt: skip
+    _, out = train(cfg)
+    record = next(c for c in out["trainer"].callbacks if isinstance(c, RecordSteps))
     assert [s for s, _, _ in record.steps] == list(range(1, steps + 1))
     expected = record.start  # the reference starts as the initial policy
     for step, policy, reference in record.steps:
@@ -114,28 +120,20 @@ def _check_syncs(record: RecordSteps, alpha: float, every: int, steps: int) -> N
 
 
 def test_dpo_syncs_after_every_second_whole_step_of_accumulated_batches(tmp_path):
-    cfg = compose_train([*QUIET, *SGD, "method=dpo", "trainer.max_steps=4", "trainer.accumulate_grad_batches=2",
-                         "data.batch_size=2", SYNC, "+callbacks.sync_ref.sync_steps=2",
-                         "+callbacks.sync_ref.mixup_alpha=0.5", RECORD], tmp_path)  # fmt: skip
-    _, out = train(cfg)
-    record = next(c for c in out["trainer"].callbacks if isinstance(c, RecordSteps))
-    _check_syncs(record, 0.5, every=2, steps=4)
+    _check_syncs(
+        ["method=dpo", "trainer.accumulate_grad_batches=2"], 0.5, every=2, steps=4, tmp_path=tmp_path
+    )
 
 
 def test_grpo_syncs_between_the_optimizer_steps_of_one_generation(tmp_path):
     # 2 optimizer steps per generation: step 3's sync falls inside the second training_step.
-    cfg = compose_train([*QUIET, *SGD, "method=grpo", "method.beta=0.1", "method.num_generations=4",
-                         "method.max_completion_length=4", "method.steps_per_generation=2", "data.batch_size=2",
-                         "method.reward_funcs=[online_helpers.token_reward_fn]", "trainer.max_steps=4", SYNC,
-                         "+callbacks.sync_ref.sync_steps=3", "+callbacks.sync_ref.mixup_alpha=0.7", RECORD],
-                        tmp_path)  # fmt: skip
-    _, out = train(cfg)
-    record = next(c for c in out["trainer"].callbacks if isinstance(c, RecordSteps))
-    _check_syncs(record, 0.7, every=3, steps=4)
+    grpo = ["method=grpo", "method.beta=0.1", "method.num_generations=4", "method.max_completion_length=4",
+            "method.steps_per_generation=2", "method.reward_funcs=[online_helpers.token_reward_fn]"]  # fmt: skip
+    _check_syncs(grpo, 0.7, every=3, steps=4, tmp_path=tmp_path)
 
 
 def test_a_resumed_run_continues_from_the_synced_reference(tmp_path):
-    common = [*QUIET, *SGD, "method=dpo", "data.batch_size=2", "data.synthetic.num_train=32", SYNC,
+    common = [*QUIET, *SGD, "method=dpo", "data.batch_size=2", "data.synthetic.num_train=32", SYNC_REF,
               "+callbacks.sync_ref.sync_steps=2", "+callbacks.sync_ref.mixup_alpha=0.5"]  # fmt: skip
     _, straight = train(compose_train([*common, "trainer.max_steps=6"], tmp_path / "a"))
     ckpt = tmp_path / "b" / "ckpt"
@@ -231,15 +229,10 @@ def test_a_synced_checkpoint_is_refused_by_a_run_without_a_frozen_copy(overrides
     ids=["kto", "online_dpo"],
 )
 def test_kto_and_online_dpo_sync_at_their_steps(overrides, tmp_path):
-    cfg = compose_train([*QUIET, *SGD, *overrides, "trainer.max_steps=3", "data.batch_size=2", SYNC,
-                         "+callbacks.sync_ref.sync_steps=2", "+callbacks.sync_ref.mixup_alpha=0.5", RECORD],
-                        tmp_path)  # fmt: skip
-    _, out = train(cfg)
-    record = next(c for c in out["trainer"].callbacks if isinstance(c, RecordSteps))
-    _check_syncs(record, 0.5, every=2, steps=3)
+    _check_syncs(overrides, 0.5, every=2, steps=3, tmp_path=tmp_path)
 
 
 def test_a_refused_run_stops_before_its_first_step(tmp_path):
-    cfg = compose_train([*QUIET, "method=dpo", "lora=default", "trainer.max_steps=2", SYNC], tmp_path)
+    cfg = compose_train([*QUIET, "method=dpo", "lora=default", "trainer.max_steps=2", SYNC_REF], tmp_path)
     with pytest.raises(ValueError, match="LoRA"):
         train(cfg)
