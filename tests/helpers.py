@@ -42,6 +42,12 @@ def compose_train(
     return cfg
 
 
+def validate_at_the_end(cfg: DictConfig) -> None:
+    """Validate only before (``validate_before_fit``) and after training: a learning test reads those two,
+    and validation runs in a forked RNG, so the training run is the one validated every N steps."""
+    cfg.trainer.val_check_interval = cfg.trainer.max_steps
+
+
 def reward_gains(
     overrides: list[str], bars: dict[str, float], output_dir: Path, seeds: tuple[int, ...] = (0,),
     configure: Callable[[DictConfig], None] | None = None,

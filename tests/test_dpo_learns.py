@@ -13,7 +13,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 
-from helpers import SYNC_REF, compose_train
+from helpers import SYNC_REF, compose_train, validate_at_the_end
 from lightning_vlm.training import train
 
 
@@ -32,6 +32,7 @@ def _run(run: str, tmp_path) -> tuple[dict, dict]:
          "trainer.enable_progress_bar=false"],
         tmp_path,
     )  # fmt: skip
+    validate_at_the_end(cfg)  # not at step 50 too: nobody reads it, and the training run is the same
     metrics, out = train(cfg)
     if run == "dpo_ref_sync":
         # The logged accuracy is against the reference of the last sync (step 90), which has taken half of

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import compose_train
+from helpers import compose_train, validate_at_the_end
 from lightning_vlm.training import train
 
 QUIET = ["logger=csv", "callbacks=none", "validate_before_fit=true", "trainer.enable_progress_bar=false"]
@@ -32,7 +32,7 @@ def test_grpo_learns_grounding_from_the_grounding_warm_start(variant, tmp_path):
     assert [f if isinstance(f, str) else f.get("threshold") for f in cfg.method.reward_funcs] == (
         ["iou_reward", "giou_reward"] if variant == "giou" else ["iou_reward", 0.5]
     )
-    cfg.trainer.val_check_interval = cfg.trainer.max_steps
+    validate_at_the_end(cfg)
     start = time.time()
     metrics, out = train(cfg)
     before, after = out["initial_metrics"], metrics

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from helpers import reward_gains
+from helpers import reward_gains, validate_at_the_end
 
 QUIET = ["logger=csv", "callbacks=none", "validate_before_fit=true", "trainer.enable_progress_bar=false"]
 # experiment -> {reward metric: gain asked for}; each about half of what the config's comment measured
@@ -34,16 +34,12 @@ RUNS = {
 SEEDS = {"grpo_ocr": (1, 2, 0), "grpo_count": (1, 0, 2)}
 
 
-def _validate_at_the_end(cfg) -> None:
-    cfg.trainer.val_check_interval = cfg.trainer.max_steps
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("experiment", list(RUNS))
 def test_grpo_raises_the_answer_reward(experiment, tmp_path):
     start = time.time()
     gains = reward_gains([f"experiment={experiment}", *QUIET], RUNS[experiment], tmp_path,
-                         SEEDS.get(experiment, (0,)), configure=_validate_at_the_end)  # fmt: skip
+                         SEEDS.get(experiment, (0,)), configure=validate_at_the_end)  # fmt: skip
     print(f"{experiment} in {time.time() - start:.0f} s")
     for metric, gain in RUNS[experiment].items():
         assert statistics.median(gains[metric]) >= gain, (experiment, metric, gains[metric])
