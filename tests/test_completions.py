@@ -19,7 +19,7 @@ from wandb.proto import wandb_internal_pb2
 
 from helpers import compose_train
 from lightning_vlm.callbacks.completions import print_completions
-from lightning_vlm.methods.completions import CompletionRecorder, CompletionSample
+from lightning_vlm.methods.completions import CompletionRecorder, CompletionSample, answer_samples
 from lightning_vlm.training import train
 
 # Two tiny steps, validated once at the end on four rows; a table per step for online methods.
@@ -99,6 +99,7 @@ def wandb_data_dir(tmp_path, monkeypatch):
         ("grpo", "completions", ["accuracy_reward", "reward", "advantage"]),
         ("sft", "val/completions", ["reference", "correct"]),
         ("dpo", "val/completions", ["reference", "correct"]),
+        ("kto", "val/completions", ["reference", "correct"]),
     ],
 )
 def test_wandb_table_has_the_columns_and_images(method, key, values, tiny, tmp_path, wandb_data_dir):
@@ -107,7 +108,7 @@ def test_wandb_table_has_the_columns_and_images(method, key, values, tiny, tmp_p
     wandb.finish()
     tables = logged_tables(tmp_path, key)
     # grpo: one table per optimizer step (log_completions_steps=1), at the step that generated them;
-    # sft/dpo: one per validation (the first validation batch: all four rows)
+    # sft/dpo/kto: one per validation (the first validation batch: all four rows)
     assert [sorted({row[0] for row in t["data"]}) for t, _ in tables] == (
         [[0], [1]] if method == "grpo" else [[2]]
     )
@@ -257,3 +258,16 @@ def test_values_json_cannot_hold_are_written_as_null():
 
     # NaN (a reward function's None) and an infinite reward: json.dumps writes NaN / Infinity, not JSON
     assert [_number(v) for v in (float("nan"), float("inf"), -float("inf"), 0.5)] == [None, None, None, 0.5]
+
+
+def test_a_row_without_a_reference_has_no_verdict():
+    # KTO: an undesirable row without `solution` has no reference; hits are those of the scored rows only.
+    rows = [{"prompt": f"q{i}", "images": []} for i in range(3)]
+    samples = answer_samples(rows, ["a", "b", "c"], ["a", None, "x"], [1.0, 0.0])
+    assert [(s.values["reference"], s.values["correct"]) for s in samples] == [
+        ("a", True),
+        (None, None),
+        ("x", False),
+    ]
+    with pytest.raises(ValueError, match="3 hits for 2 references"):
+        answer_samples(rows, ["a", "b", "c"], ["a", None, "x"], [1.0, 0.0, 1.0])

@@ -2,7 +2,7 @@
 
 Online methods (GRPO, GSPO, RLOO, Online DPO) are asked for their rollouts every
 ``log_completions_steps`` optimizer steps: step, image, prompt, completion, each reward function's
-value, the total reward and the advantage. SFT and DPO are asked at each validation for the greedy
+value, the total reward and the advantage. SFT, DPO and KTO are asked at each validation for the greedy
 answers of its first batch: step, image, prompt, completion, reference answer and whether it matched.
 
 Where they go, all on global rank 0 only (its own samples: no images cross processes):

@@ -27,7 +27,7 @@ class CompletionSample:
     """One generated completion with its prompt, the prompt's first image and the method's columns.
 
     ``values`` are the method's own columns, in order: each reward function's value, the total
-    ``reward`` and the ``advantage`` for online methods; ``reference`` and ``correct`` for SFT/DPO.
+    ``reward`` and the ``advantage`` for online methods; ``reference`` and ``correct`` for SFT/DPO/KTO.
     ``image`` is the row's PIL image itself (a reference, not a copy), or None for a text-only row.
     """
 
@@ -114,12 +114,21 @@ def rollout_samples(batch: RolloutBatch, reward_names: Sequence[str]) -> list[Co
 
 
 def answer_samples(
-    rows: Sequence[dict], completions: Sequence[str], references: Sequence[str], hits: Sequence[float]
+    rows: Sequence[dict], completions: Sequence[str], references: Sequence[str | None], hits: Sequence[float]
 ) -> list[CompletionSample]:
-    """One sample per greedy validation answer (SFT, DPO): the reference answer and whether it matched."""
-    return [
+    """One sample per greedy validation answer (SFT, DPO, KTO): the reference answer and whether it
+    matched. ``hits`` are those of the rows with a reference, in order (``greedy_answer_hits``); a row
+    without one (a KTO row with an undesirable answer and no ``solution``) has ``correct`` None."""
+    scored = iter(hits)
+    samples = [
         CompletionSample(
-            prompt_text(row["prompt"]), text, first_image(row), {"reference": reference, "correct": bool(hit)}
-        )
-        for row, text, reference, hit in zip(rows, completions, references, hits, strict=True)
+            prompt_text(row["prompt"]),
+            text,
+            first_image(row),
+            {"reference": reference, "correct": None if reference is None else bool(next(scored))},
+        )  # fmt: skip
+        for row, text, reference in zip(rows, completions, references, strict=True)
     ]
+    if next(scored, None) is not None:
+        raise ValueError(f"{len(hits)} hits for {sum(r is not None for r in references)} references")
+    return samples

@@ -42,6 +42,7 @@ from lightning_vlm.methods.common import (
     message_text,
     turn_off_dropout,
 )
+from lightning_vlm.methods.completions import CompletionRecorder, answer_samples
 from lightning_vlm.methods.preference_batch import PairBatch, encode_columns
 from lightning_vlm.methods.reference_cache import prompt_key
 from lightning_vlm.methods.reference_state import KeepsReference
@@ -166,6 +167,7 @@ class KTO(KeepsReference, FactoryOptimized):
         self.generator = HFGenerator(vlm)
         self.val_metrics = torch.nn.ModuleDict({n.replace("/", "__"): MeanMetric() for n in METRICS})
         self.val_answer_accuracy = MeanMetric()
+        self.completion_recorder = CompletionRecorder()  # filled when LogCompletions asks
         self.val_new_tokens: int | None = None
         self.step_window = StepWindow()
         self.whole_steps = WholeSteps()
@@ -293,8 +295,12 @@ class KTO(KeepsReference, FactoryOptimized):
             if not torch.isnan(value):  # NaN: this batch has none of the rows the metric is over
                 metric.update(value, weight=metric_weight(name, desirable, undesirable))
             self.log(f"val/{name}", metric, prog_bar=name == "rewards/accuracies", batch_size=len(rows))
-        _, hits = greedy_answer_hits(self.generator, rows, reference_answers(rows), self.val_new_tokens)
+        references = reference_answers(rows)
+        rollouts, hits = greedy_answer_hits(self.generator, rows, references, self.val_new_tokens)
         self.val_answer_accuracy.update(torch.tensor(hits, device=self.device))
+        if self.completion_recorder.wants("val"):
+            samples = answer_samples(rows, rollouts.completion_texts, references, hits)
+            self.completion_recorder.record("val", samples)
         self.log("val/answer_accuracy", self.val_answer_accuracy, prog_bar=True, batch_size=len(rows))
 
     def on_validation_epoch_end(self) -> None:
