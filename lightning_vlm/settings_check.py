@@ -55,6 +55,16 @@ def check_settings(cfg: DictConfig) -> None:
                 f"data.{key}={path!r}: no such file or folder ({Path(path).expanduser().resolve()}); "
                 "relative paths are read from the directory train.py runs in"
             )
+    if (
+        cfg.get("validate_before_fit")
+        and _number(trainer.get("limit_val_batches"))
+        and not trainer.limit_val_batches
+    ):
+        # Lightning's validate then runs nothing and returns no metrics: training.py found no first row.
+        raise ValueError(
+            "validate_before_fit=true validates before training, but trainer.limit_val_batches=0 turns "
+            "validation off: drop one of them"
+        )
     check_ckpt_path(cfg.get("ckpt_path"))
     optimizer = method.get("optimizer") or {}
     lr = optimizer.get("lr")

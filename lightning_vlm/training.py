@@ -277,8 +277,14 @@ def _fit(
             finally:
                 trainer.loggers, trainer.callbacks = loggers, callbacks
             raise_on_sigterm(trainer)
-            initial = {k: float(v) for k, v in results[0].items()}
-            log.info("Metrics before training (%s): %s", ckpt_path or "initial weights", initial)
+            if results:
+                initial = {k: float(v) for k, v in results[0].items()}
+                log.info("Metrics before training (%s): %s", ckpt_path or "initial weights", initial)
+            else:  # Lightning validates nothing without validation batches, and returns no metrics
+                log.warning(
+                    "validate_before_fit=true: the data has no validation rows, so nothing was validated "
+                    "before training (set data.val, or data.val_fraction to hold out part of data.train)"
+                )
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     _warn_steps_ended_epochs(trainer)
     wanted = cfg.get("optimized_metric")

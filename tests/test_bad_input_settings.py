@@ -41,6 +41,9 @@ TRAIN_CASES = [
      r"trainer\.accumulate_grad_batches=2.*method\.micro_batch_size", NEW),
     (["trainer.val_check_interval=0"], ValueError, r"trainer\.val_check_interval must be > 0", NEW),
     (["trainer.val_check_interval=0.5"], ValueError, r"trainer\.check_val_every_n_epoch set .* give an integer", NEW),
+    # the validation before training had none to run: IndexError in training.py
+    (["validate_before_fit=true", "trainer.limit_val_batches=0"], ValueError,
+     r"validate_before_fit=true .*trainer\.limit_val_batches=0", NEW),
     (["method=grpo", "trainer.gradient_clip_val=1.0"], ValueError, r"set method\.max_grad_norm instead", NEW),
     # DeepSpeed does not accumulate an online method's micro-batches; it failed inside the first step
     (["method=grpo", "trainer=deepspeed_zero2", "method.micro_batch_size=8"], ValueError,
@@ -388,3 +391,17 @@ def test_the_settings_check_imports_on_its_own():
         [sys.executable, "-c", "import lightning_vlm.settings_check"], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_validate_before_fit_without_validation_rows_says_so_and_trains(tmp_path, caplog):
+    # A file without data.val or data.val_fraction has no validation; the first validation returned no
+    # metrics and training.py failed on them (IndexError) after the model had loaded.
+    from test_bad_input_data import sft_row, write_rows
+
+    train_file = write_rows(tmp_path, [sft_row() for _ in range(4)])
+    cfg = compose_train([*SMALL, f"data.train={train_file}", "validate_before_fit=true"], tmp_path)
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
+        _, out = train(cfg)
+    assert out["initial_metrics"] == {}
+    assert out["trainer"].global_step == 1
+    assert "validate_before_fit=true: the data has no validation rows" in caplog.text
