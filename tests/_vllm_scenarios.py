@@ -237,6 +237,8 @@ def processor_settings(paths: dict) -> dict:
     report = {
         "image_tokens": tokens,
         "engine_kwargs": gen.engine.mm_processor_kwargs,
+        # the engine as vLLM built it: the processed-image cache off (EngineOptions.mm_processor_cache_gb)
+        "mm_processor_cache_gb": gen.llm.llm_engine.model_config.multimodal_config.mm_processor_cache_gb,
         **_compare(vlm, gen, rows),
     }
     gen.close()

@@ -158,6 +158,7 @@ def test_the_policys_processor_settings_reach_vllm(report):
     r = _section(report, "processor_settings")
     assert r["image_tokens"]["limited"] < r["image_tokens"]["default"]
     assert r["engine_kwargs"] == {"min_pixels": 3136, "max_pixels": 3136}
+    assert r["mm_processor_cache_gb"] == 0  # verl's and EasyR1's setting for VLM rollouts, not vLLM's 4 GiB
     _assert_parity(r)
 
 

@@ -340,6 +340,28 @@ def test_engine_max_model_len_is_the_models_own_on_gpu_and_a_measured_cap_on_cpu
     assert args[args.index("--max-model-len") + 1] == "4096"
 
 
+def test_the_processed_image_cache_is_off_unless_asked_for(monkeypatch, tmp_path):
+    # vLLM keeps 4 GiB of processed images per process by default; verl and EasyR1 turn it off for VLM
+    # rollouts (host memory grew with it), and an RL prompt's image rarely comes back.
+    import vllm
+
+    from lightning_vlm.generation import vllm_engine
+    from lightning_vlm.generation.engine_options import EngineOptions
+
+    built = []
+    monkeypatch.setattr(vllm, "LLM", lambda **kwargs: built.append(kwargs))
+    for cuda in (True, False):
+        monkeypatch.setattr(vllm_engine, "has_cuda", lambda cuda=cuda: cuda)
+        vllm_engine.make_vllm_engine(tmp_path / "absent")
+        vllm_engine.make_vllm_engine(tmp_path / "absent", EngineOptions(mm_processor_cache_gb=4))
+    assert [kwargs["mm_processor_cache_gb"] for kwargs in built] == [0, 4, 0, 4]
+    for gb, expected in ((0.0, "0.0"), (4, "4")):
+        args = EngineOptions(mm_processor_cache_gb=gb).server_args()  # the server the callback starts
+        assert args[args.index("--mm-processor-cache-gb") + 1] == expected
+    with pytest.raises(ValueError, match="mm_processor_cache_gb must be >= 0"):
+        EngineOptions(mm_processor_cache_gb=-1)
+
+
 def test_colocated_vllm_refuses_an_engine_core_in_another_process(monkeypatch, tiny_path):
     # VLLM_ENABLE_V1_MULTIPROCESSING=1 in the user's environment: the engine started, and the first weight
     # sync failed ("Object of type generator is not serializable"; as a list, "cannot pickle memoryview").

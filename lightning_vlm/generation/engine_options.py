@@ -52,6 +52,11 @@ class EngineOptions:
     logprobs_mode: str = "processed_logprobs"
     seed: int | None = 0  # None (a run with seed=null): a fresh random seed, as vLLM takes only ints
     mm_processor_kwargs: Any = None
+    # vLLM's cache of processed images (vLLM: 4 GiB, once in the front end and once in the engine core).
+    # Off, as verl and EasyR1 set it for VLM rollouts (verl #2068: host memory grew with it on) and NeMo-RL
+    # does: an RL prompt's image rarely comes back within the cache's few hundred large images, so it holds
+    # memory on every rank for few hits. ms-swift's vllm_mm_processor_cache_gb.
+    mm_processor_cache_gb: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -62,6 +67,8 @@ class EngineOptions:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.mm_processor_cache_gb < 0:
+            raise ValueError(f"mm_processor_cache_gb must be >= 0 (0: off), got {self.mm_processor_cache_gb}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.model_impl not in MODEL_IMPLS:
@@ -101,7 +108,8 @@ class EngineOptions:
         args = ["--dtype", self.dtype,
                 "--gpu-memory-utilization", str(self.gpu_memory_utilization),
                 "--tensor-parallel-size", str(self.tensor_parallel_size), "--model-impl", self.model_impl,
-                "--logprobs-mode", self.logprobs_mode, "--seed", str(self.seed)]  # fmt: skip
+                "--logprobs-mode", self.logprobs_mode, "--seed", str(self.seed),
+                "--mm-processor-cache-gb", str(self.mm_processor_cache_gb)]  # fmt: skip
         if self.max_model_len is not None:  # else the server's own default, as in-process
             args += ["--max-model-len", str(self.max_model_len)]
         if self.limit_mm_per_prompt:

@@ -110,6 +110,7 @@ def make_vllm_engine(
         "model_impl": engine.model_impl,
         "logprobs_mode": engine.logprobs_mode,
         "seed": engine.seed,
+        "mm_processor_cache_gb": engine.mm_processor_cache_gb,
     }
     if engine.mm_processor_kwargs:
         kwargs["mm_processor_kwargs"] = dict(engine.mm_processor_kwargs)
