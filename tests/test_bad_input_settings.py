@@ -41,6 +41,9 @@ TRAIN_CASES = [
      r"trainer\.accumulate_grad_batches=2.*method\.micro_batch_size", NEW),
     (["trainer.val_check_interval=0"], ValueError, r"trainer\.val_check_interval must be > 0", NEW),
     (["trainer.val_check_interval=0.5"], ValueError, r"trainer\.check_val_every_n_epoch set .* give an integer", NEW),
+    # Qwen's pixel limit on another family: transformers dropped it silently, images stayed full size (OOM)
+    (["model=tiny_gemma3", "model.processor_kwargs={max_pixels:12544}"], InstantiationException,
+     r"model\.processor_kwargs \['max_pixels'\]: Gemma3Processor reads no such setting.*Qwen's.*size", NEW),
     # the validation before training had none to run: IndexError in training.py
     (["validate_before_fit=true", "trainer.limit_val_batches=0"], ValueError,
      r"validate_before_fit=true .*trainer\.limit_val_batches=0", NEW),

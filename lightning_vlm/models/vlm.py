@@ -21,6 +21,7 @@ from .family_rules import check_one_row_per_image
 from .image_tokens import NUM_IMAGES_KEY, check_image_tokens
 from .logprobs import scatter_to_tokens, scored_positions, selective_logps, softcapped
 from .model_source import check_model_source, hub_location
+from .processor_settings import check_processor_settings
 from .special_tokens import end_of_turn_token, vision_special_ids
 from .vision_cache import ENCODED_KEY, IMAGE_GROUPS_KEY, encoded_images, shared_hidden_states
 
@@ -63,6 +64,7 @@ class VLM(torch.nn.Module):
         self.processor = AutoProcessor.from_pretrained(
             model_name_or_path, trust_remote_code=trust_remote_code, **where, **(processor_kwargs or {})
         )
+        check_processor_settings(self.processor, processor_kwargs)  # before the weights load
         check_one_row_per_image(self.processor)
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         # Rewards get it (``generation_prompt``): a prefilled "<think>" is part of every completion's text.
