@@ -304,6 +304,16 @@ def test_steps_per_generation_and_iterations_step_the_optimizer_and_report_updat
     assert trainer.callback_metrics["train/ratio/max"] > 1.0
 
 
+def test_the_generation_and_the_whole_step_are_timed(tiny_path, rows):
+    # verl's timing_s/gen and timing_s/step: the generation (with scoring) is part of the step's time
+    vlm = VLM(tiny_path("qwen2_5_vl"))
+    module = GRPO(vlm, optimizer=sgd(1e-3), reward_funcs=[token_reward_fn], num_generations=4,
+                  steps_per_generation=2, max_completion_length=4)  # fmt: skip
+    module.generator = FixedGenerator(sample_rollouts(vlm, rows, 4, max_new_tokens=4))
+    metrics = fit_steps(module, rows, steps=4).callback_metrics
+    assert 0 < metrics["train/timing/rollout_s"] < metrics["train/timing/step_s"]
+
+
 def test_max_steps_inside_a_generation_stops_there(tiny_path, rows):
     """trainer.max_steps counts optimizer steps: 5 with 4 per generation is one generation and one step
     of the next, not 8 (Lightning checks max_steps only between batches)."""

@@ -10,6 +10,7 @@ run's count continues too (the dynamic-sampling benchmark compares these counts)
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import lightning as L
@@ -36,6 +37,7 @@ class RolloutSampling(L.LightningModule):
     scorer: RewardScorer
     dynamic_sampling: DynamicSampling
     completions_generated: int
+    _batch_started: float = 0.0  # perf_counter at this training batch's start (train/timing/step_s)
 
     def sample(self, pool: list[dict]) -> tuple[Rollouts, torch.Tensor]:
         """Completions for the step's prompt ``pool`` (all of it, or DAPO's filtered rounds) and their rewards."""
@@ -48,10 +50,12 @@ class RolloutSampling(L.LightningModule):
             # A collective: all ranks run the same rounds (FSDP's generation forwards must match).
             return all_reduce_sum(torch.tensor(float(not done), device=self.device)).item() == 0
 
+        start = time.perf_counter()
         rollouts, per_function, counts = collect(
             pool, self.dynamic_sampling, generate, lambda r: self.score(r)[0], self.train_rewards,
             everyone_done,
         )  # fmt: skip
+        seconds = time.perf_counter() - start  # the completions are on the host by now: nothing in flight
         counts.setdefault("generated", float(len(rollouts)))
         # Counts of every rank together, in one all-reduce; rounds are the same on every rank. float32
         # (MPS has none wider) holds whole numbers exactly up to 2^24, far above a step's counts.
@@ -64,9 +68,23 @@ class RolloutSampling(L.LightningModule):
             values = {f"train/dynamic_sampling/{k}": torch.tensor(v) for k, v in counts.items()}
             values["train/dynamic_sampling/rounds"] = torch.tensor(rounds)
         values["train/completions_generated"] = torch.tensor(float(self.completions_generated))
+        # Wall time of the generation rounds with their scoring (verl's timing_s/gen), mean over ranks;
+        # against train/timing/step_s, what generation costs.
+        values["train/timing/rollout_s"] = torch.tensor(seconds)
         # Every rank logs the same (global) values: the mean over ranks leaves them as they are.
         log_synced(self, values, len(pool))
         return rollouts, per_function
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._batch_started = time.perf_counter()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """``train/timing/step_s`` (verl's ``timing_s/step``): the wall time of one generation and every
+        optimizer step it feeds, mean over ranks."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the last step's kernels are part of its time
+        seconds = torch.tensor(time.perf_counter() - self._batch_started)
+        log_synced(self, {"train/timing/step_s": seconds}, len(batch))
 
     def train_rewards(self, rollouts: Rollouts, per_function: torch.Tensor) -> torch.Tensor:
         """The [N] rewards the loss trains on, as far as they are known at sampling time (dynamic
