@@ -44,7 +44,9 @@ def compose_train(
 
 def validate_at_the_end(cfg: DictConfig) -> None:
     """Validate only before (``validate_before_fit``) and after training: a learning test reads those two,
-    and validation runs in a forked RNG, so the training run is the one validated every N steps."""
+    and validation runs in a forked RNG, so the training run is the one validated every N steps. The
+    interval counts batches: where a batch takes several optimizer steps (GSPO's steps_per_generation),
+    fit ends before it, and train() validates the final weights once instead (training.py)."""
     cfg.trainer.val_check_interval = cfg.trainer.max_steps
 
 

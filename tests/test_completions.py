@@ -269,5 +269,6 @@ def test_a_row_without_a_reference_has_no_verdict():
         (None, None),
         ("x", False),
     ]
-    with pytest.raises(ValueError, match="3 hits for 2 references"):
-        answer_samples(rows, ["a", "b", "c"], ["a", None, "x"], [1.0, 0.0, 1.0])
+    for hits in ([1.0, 0.0, 1.0], [1.0]):
+        with pytest.raises(ValueError, match=f"{len(hits)} hits for 2 references"):
+            answer_samples(rows, ["a", "b", "c"], ["a", None, "x"], hits)

@@ -37,7 +37,9 @@ class EngineOptions:
     ``model.processor_kwargs`` (:meth:`for_policy`), so vLLM sees the image tokens training sees;
     ``max_model_len`` None: the model's own context length on GPU (vLLM's and TRL's
     ``vllm_max_model_len`` default; a fixed cap cut long image prompts), ``vllm_engine.CPU_MAX_MODEL_LEN``
-    on CPU; ``extra``: any other ``vllm.LLM`` keyword."""
+    on CPU; ``gpu_memory_utilization``: TRL's ``vllm_gpu_memory_utilization`` (ignored on CPU);
+    ``model_impl``: vLLM's own model code, or ``transformers``'s; ``logprobs_mode``: see ``LOGPROBS_MODES``;
+    ``extra``: any other ``vllm.LLM`` keyword."""
 
     gpu_memory_utilization: float = 0.3
     max_model_len: int | None = None

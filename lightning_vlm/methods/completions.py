@@ -119,8 +119,10 @@ def answer_samples(
     """One sample per greedy validation answer (SFT, DPO, KTO): the reference answer and whether it
     matched. ``hits`` are those of the rows with a reference, in order (``greedy_answer_hits``); a row
     without one (a KTO row with an undesirable answer and no ``solution``) has ``correct`` None."""
+    if len(hits) != sum(r is not None for r in references):
+        raise ValueError(f"{len(hits)} hits for {sum(r is not None for r in references)} references")
     scored = iter(hits)
-    samples = [
+    return [
         CompletionSample(
             prompt_text(row["prompt"]),
             text,
@@ -129,6 +131,3 @@ def answer_samples(
         )  # fmt: skip
         for row, text, reference in zip(rows, completions, references, strict=True)
     ]
-    if next(scored, None) is not None:
-        raise ValueError(f"{len(hits)} hits for {sum(r is not None for r in references)} references")
-    return samples

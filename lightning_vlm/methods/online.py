@@ -1,14 +1,14 @@
 """The online-RL loop every online method shares: generate, score, advantages, optimise; top to bottom.
 
-One ``training_step`` is one generation: the prompt batch gets ``num_generations`` completions each
-from ``self.generator``, the rewards and advantages are computed once, and then
-``num_iterations`` × ``steps_per_generation`` optimizer steps run over those rollouts (manual
-optimisation; an epoch's short last batch that does not split evenly gets steps one completion (or
-Online DPO pair) apart, never more steps than completions; each step accumulates micro-batches of
-``micro_batch_size`` completions and divides by normalisers of the whole step, so micro-batch 1 × 4 ==
-micro-batch 4 × 1; ``step_layout`` gives every rank as many steps and micro-batches).
-The rollouts live only inside the step and sampling is seeded from (``seed``, ``global_step``, rank),
-so a checkpoint taken between steps needs neither a buffer nor RNG state to continue the same run.
+One ``training_step`` is one generation: the prompt batch gets ``num_generations`` completions each from
+``self.generator``, the rewards and advantages are computed once, and then ``num_iterations`` ×
+``steps_per_generation`` optimizer steps run over those rollouts (manual optimisation; an epoch's short last
+batch that does not split evenly gets steps one completion (or Online DPO pair) apart, never more steps than
+completions; each step accumulates micro-batches of ``micro_batch_size`` completions and divides by
+normalisers of the whole step, so micro-batch 1 × 4 == micro-batch 4 × 1; ``step_layout`` gives every rank
+as many steps and micro-batches). The rollouts live only inside the step and sampling is seeded from
+(``seed``, ``global_step``, rank), so a checkpoint taken between steps needs neither a buffer nor RNG state
+to continue the same run.
 
 On several processes each rank generates for its own prompts; the step normalisers and TRL's
 whole-batch statistics are reduced over all ranks (``parallel.collectives``), so N processes with
@@ -185,8 +185,7 @@ class OnlineRL(KeepsReference, RootCalls, RolloutSampling):
         ).to(self.device)
         n = len(batch)
         batch.shard = Shard.exchange(n, self.device)
-        # 3. Log-probs that must be frozen at generation time: old (the policy will move, or the
-        #    sampler was another engine) and reference (KL).
+        # 3. Log-probs frozen at generation time: old (the policy will move, or another engine sampled), ref (KL).
         correct = hp.vllm_importance_sampling_correction and not self.sampler_is_policy(rollouts)
         if correct and batch.sampler_logps is None:
             raise ValueError("vllm_importance_sampling_correction needs the generator's per-token logprobs")
@@ -201,8 +200,7 @@ class OnlineRL(KeepsReference, RootCalls, RolloutSampling):
             )  # fmt: skip
             pooled = pooled_correction(is_metrics, batch.completion_mask, self.is_level)
             self.log_dict({f"train/{k}": v for k, v in pooled.items()}, batch_size=len(rows))
-        # 4. Advantages, once per generation (statistics over all ranks' completions where TRL takes them
-        #    over the whole generation batch).
+        # 4. Advantages, once per generation (over all ranks' completions where TRL takes the whole batch).
         batch.advantages = self.compute_advantages(batch)
         self.log_rollouts(batch)
         if self.completion_recorder.wants("train"):
@@ -255,9 +253,10 @@ class OnlineRL(KeepsReference, RootCalls, RolloutSampling):
             if sched is not None:
                 sched.step()
             self.on_policy_update()
-        # Loss terms add up over a step's micro-batches; the stats were weighted to a mean per step.
-        # Each rank's loss is its share of the step's loss: the mean over ranks is the step's loss.
-        log_synced(self, {f"train/{k}": step_value(k, v) for k, v in metrics.items()}, len(rows))
+        # Loss terms add up over a step's micro-batches; the stats were weighted to a mean per step. Each
+        # rank's loss is its share of the step's loss: the mean over ranks is the step's loss.
+        values = {f"train/{k}": step_value(k, v) for k, v in metrics.items()}
+        log_synced(self, {**values, "train/timing/step_s": self.step_seconds()}, len(rows))
 
     def _micro_batch_loss(
         self, batch: RolloutBatch, index: torch.Tensor, step: Step

@@ -37,7 +37,7 @@ class RolloutSampling(L.LightningModule):
     scorer: RewardScorer
     dynamic_sampling: DynamicSampling
     completions_generated: int
-    _batch_started: float = 0.0  # perf_counter at this training batch's start (train/timing/step_s)
+    _batch_started: float = 0.0  # set by on_train_batch_start; a class default keeps step_seconds callable
 
     def sample(self, pool: list[dict]) -> tuple[Rollouts, torch.Tensor]:
         """Completions for the step's prompt ``pool`` (all of it, or DAPO's filtered rounds) and their rewards."""
@@ -76,15 +76,17 @@ class RolloutSampling(L.LightningModule):
         return rollouts, per_function
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Starts ``step_seconds``'s clock. A module's hook runs after the callbacks' hooks: the vLLM weight
+        push before the generation is not counted (it has ``train/vllm_sync_seconds``)."""
         self._batch_started = time.perf_counter()
 
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """``train/timing/step_s`` (verl's ``timing_s/step``): the wall time of one generation and every
-        optimizer step it feeds, mean over ranks."""
+    def step_seconds(self) -> torch.Tensor:
+        """``train/timing/step_s`` (verl's ``timing_s/step``): the wall time of this batch's generation and
+        every optimizer step it feeds, taken by ``training_step`` itself, so the callbacks' batch-end work
+        (a checkpoint save, W&B tables) is not counted."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the last step's kernels are part of its time
-        seconds = torch.tensor(time.perf_counter() - self._batch_started)
-        log_synced(self, {"train/timing/step_s": seconds}, len(batch))
+        return torch.tensor(time.perf_counter() - self._batch_started)
 
     def train_rewards(self, rollouts: Rollouts, per_function: torch.Tensor) -> torch.Tensor:
         """The [N] rewards the loss trains on, as far as they are known at sampling time (dynamic

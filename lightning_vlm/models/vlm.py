@@ -21,7 +21,7 @@ from .family_rules import check_one_row_per_image
 from .image_tokens import NUM_IMAGES_KEY, check_image_tokens
 from .logprobs import scatter_to_tokens, scored_positions, selective_logps, softcapped
 from .model_source import check_model_source, hub_location
-from .processor_settings import check_processor_settings
+from .processor_settings import check_loading_options, check_processor_settings
 from .special_tokens import end_of_turn_token, vision_special_ids
 from .vision_cache import ENCODED_KEY, IMAGE_GROUPS_KEY, encoded_images, shared_hidden_states
 
@@ -61,6 +61,7 @@ class VLM(torch.nn.Module):
         where = hub_location(model_kwargs)
         check_model_source(model_name_or_path, **where)
         # The processor (tokenizer, chat template, image settings) from the same revision and cache.
+        check_loading_options(processor_kwargs)
         self.processor = AutoProcessor.from_pretrained(
             model_name_or_path, trust_remote_code=trust_remote_code, **where, **(processor_kwargs or {})
         )
