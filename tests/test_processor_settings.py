@@ -12,14 +12,15 @@ from omegaconf import OmegaConf
 from transformers import AutoProcessor
 
 from helpers import compose_train, group_options
+from lightning_vlm.models.families import FAMILIES
 from lightning_vlm.models.processor_settings import check_loading_options, check_processor_settings
+from lightning_vlm.models.tiny import TINY_FAMILIES
 
-# hub model config -> the tiny family with its processor classes (SmolVLM is Idefics3's)
+# hub model config -> the tiny family with its processor classes, from the registry's hub_config (SmolVLM's
+# is Idefics3's tiny model); the 7B Qwen2.5-VL config is the only hub config no record names
 HUB_FAMILY = {
-    "gemma3": "gemma3", "gemma4": "gemma4", "internvl": "internvl", "llava_next": "llava_next",
-    "qwen2_5_vl": "qwen2_5_vl", "qwen2_5_vl_7b": "qwen2_5_vl", "qwen2_vl": "qwen2_vl", "qwen3_5": "qwen3_5",
-    "qwen3_vl": "qwen3_vl", "smolvlm": "idefics3",
-}  # fmt: skip
+    f.hub_config: name for name, f in FAMILIES.items() if f.hub_config and name in TINY_FAMILIES
+} | {"qwen2_5_vl_7b": "qwen2_5_vl"}
 
 
 def _settings(config: str) -> dict:

@@ -119,8 +119,9 @@ def answer_samples(
     """One sample per greedy validation answer (SFT, DPO, KTO): the reference answer and whether it
     matched. ``hits`` are those of the rows with a reference, in order (``greedy_answer_hits``); a row
     without one (a KTO row with an undesirable answer and no ``solution``) has ``correct`` None."""
-    if len(hits) != sum(r is not None for r in references):
-        raise ValueError(f"{len(hits)} hits for {sum(r is not None for r in references)} references")
+    scorable = sum(r is not None for r in references)
+    if len(hits) != scorable:
+        raise ValueError(f"{len(hits)} hits for {scorable} references")
     scored = iter(hits)
     return [
         CompletionSample(

@@ -33,12 +33,10 @@ _HINTS = {"min_pixels": "Qwen's", "max_pixels": "Qwen's", "max_dynamic_patch": "
 
 
 def _declared(cls: Any) -> set[str]:
-    """The keys of a TypedDict of settings (a part's ``valid_kwargs``), read as transformers reads them (its
-    annotations, unresolved: a remote-code class may name types that do not import here)."""
-    keys: set[str] = set()
-    for klass in getattr(cls, "__mro__", ()):
-        keys |= set(getattr(klass, "__annotations__", {}))
-    return keys
+    """The keys of a TypedDict of settings (a part's ``valid_kwargs``), read as transformers reads them: its
+    annotations (a TypedDict's hold its bases' too), unresolved, as a remote-code class may name types that
+    do not import here."""
+    return set(getattr(cls, "__annotations__", {}))
 
 
 def _parts(processor: Any) -> list[Any]:
