@@ -14,12 +14,17 @@ from collections import Counter
 _seen: Counter[str] = Counter()
 
 
-def warn_recurring(logger: logging.Logger, kind: str, message: str, *args: object) -> None:
-    """Logs ``message % args`` as a warning the 1st, 2nd, 4th, ... time a batch has this ``kind`` of row."""
+def warn_recurring(
+    logger: logging.Logger, kind: str, message: str, *args: object, unit: str = "batch"
+) -> None:
+    """Logs ``message % args`` as a warning the 1st, 2nd, 4th, ... time a batch (or other ``unit``) has
+    this ``kind`` of row."""
     _seen[kind] += 1
     n = _seen[kind]
     if n & (n - 1) == 0:  # a power of two
-        later = "" if n == 1 else f" [batch {n} so far with this warning; it is said again at batch {2 * n}]"
+        later = (
+            "" if n == 1 else f" [{unit} {n} so far with this warning; it is said again at {unit} {2 * n}]"
+        )
         logger.warning(message + later, *args)
 
 

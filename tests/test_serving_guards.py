@@ -56,6 +56,7 @@ def test_bodies_are_limited_per_route_before_they_are_read():
     assert client.post("/v1/x", content=b"x" * 100).json() == {"bytes": 100}
     too_big = client.post("/v1/x", content=b"x" * 101)
     assert too_big.status_code == 413 and "--max-request-mb" in too_big.json()["error"]
+    assert "data.image_max_pixels" in too_big.json()["error"]
     octet = {"Content-Type": "Application/Octet-Stream; charset=binary"}
     assert client.post(WEIGHTS_PATH, content=b"x" * 1000, headers=octet).json() == {"bytes": 1000}
     assert client.post(WEIGHTS_PATH, content=b"x" * 1001, headers=octet).status_code == 413

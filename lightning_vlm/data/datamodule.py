@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_vlm.counts import check_count
 from lightning_vlm.data.held_out import prompt_key
+from lightning_vlm.data.image_budget import ImageBudget
 from lightning_vlm.data.images import WHITE
 from lightning_vlm.data.loaded import Source
 from lightning_vlm.data.resumable import ResumableDataLoader
@@ -106,13 +107,16 @@ class VLMDataModule(L.LightningDataModule):
         system_prompt: str | None = None,
         alpha_background: list[int] | tuple[int, int, int] = WHITE,
         image_dir: str | None = None,
+        image_max_pixels: int | None = None,
+        image_min_pixels: int | None = None,
     ) -> None:
         """``val=None`` means: carve ``val_fraction`` out of train, else the synthetic val split if train is
         synthetic, else no validation. ``synthetic`` keys: num_train, num_val, seed, kinds, image_size.
         ``column_map``, the templates and ``system_prompt`` shape raw rows: see ``templates.RowFormat``;
         ``alpha_background`` is the RGB colour transparent pixels are composited on (``images.to_rgb``);
         ``image_dir`` is the folder relative image paths start in (LLaVA's ``image_folder``; None: each
-        data file's own)."""
+        data file's own); ``image_max_pixels`` / ``image_min_pixels`` bound each decoded image's width x height
+        (``image_budget.ImageBudget``; None: as stored)."""
         super().__init__()
         # None in a config means "the default" (Hydra nodes often leave keys null).
         val_split, val_fraction = val_split or "validation", val_fraction or 0.0
@@ -142,6 +146,7 @@ class VLMDataModule(L.LightningDataModule):
             answer_template,
             system_prompt,
             WHITE if alpha_background is None else plain(alpha_background),
+            ImageBudget(image_max_pixels, image_min_pixels),
         )
         # The task's whole settings as plain values, before they are recorded (a checkpoint's hparams load
         # with weights_only=True, and loggers write them as YAML).

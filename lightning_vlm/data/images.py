@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps
 
+from lightning_vlm.data.image_budget import ImageBudget
 from lightning_vlm.data.rows import ImageRef, RowError, normalize_row
 
 # Image file suffixes: a column of such paths is images (skips), a folder of such files an image folder.
@@ -137,9 +138,12 @@ def load_row(
     source: str = "data",
     base_dir: str | os.PathLike | None = None,
     background: Sequence[int] = WHITE,
+    budget: ImageBudget | None = None,
 ) -> dict:
-    """Normalise one raw row and load its images (RGB PIL, see ``open_image``); the form DataModules yield."""
+    """Normalise one raw row and load its images (RGB PIL, see ``open_image``), each scaled into ``budget``
+    where one is given; the form DataModules yield."""
     out = normalize_row(row, shape, index, source, base_dir, check_files=False)
     column = "image" if row.get("image") is not None else "images"
-    out["images"] = [open_image(ref, index, source, column, background) for ref in out["images"]]
+    images = [open_image(ref, index, source, column, background) for ref in out["images"]]
+    out["images"] = images if budget is None else [budget.fit(image) for image in images]
     return out

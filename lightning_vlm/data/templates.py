@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_vlm.data.image_budget import ImageBudget
 from lightning_vlm.data.images import WHITE, load_row, rgb_background
 from lightning_vlm.data.placeholders import control_token_error, control_token_in, model_image_token_in
 from lightning_vlm.data.rows import SHAPES, RowError, normalize_row
@@ -157,6 +158,7 @@ class RowFormat:
     answer_template: str | None = None
     system_prompt: str | None = None
     alpha_background: tuple[int, int, int] = WHITE  # what transparent pixels become (images.to_rgb)
+    image_budget: ImageBudget = field(default_factory=ImageBudget)  # each decoded image scaled into it
 
     def __post_init__(self) -> None:
         if self.shape not in SHAPES:
@@ -237,5 +239,7 @@ class RowFormat:
     def load(self, row: Mapping, index: int, source: str, base_dir: Path | None) -> dict:
         """Normalise one raw row and decode its images (see ``load_row``): the form DataModules yield."""
         filled = self.fill(row, index, source)
-        loaded = load_row(filled, self.shape, index, source, base_dir, self.alpha_background)
+        loaded = load_row(
+            filled, self.shape, index, source, base_dir, self.alpha_background, self.image_budget
+        )
         return self.with_system(loaded)

@@ -94,7 +94,9 @@ class BodyLimit:
         if not length.strip().isdigit():
             return await _send_json(scope, send, 400, {"error": f"bad Content-Length {length!r}"})
         if int(length) > limit:
+            # A generation request is mostly its images, sent as PNGs at the size the trainer holds them.
+            hint = "" if upload else "; or scale the trainer's images down: data.image_max_pixels"
             return await _send_json(
-                scope, send, 413, {"error": f"body of {length} B exceeds {limit} B ({flag})"}
+                scope, send, 413, {"error": f"body of {length} B exceeds {limit} B ({flag}{hint})"}
             )
         await self.app(scope, receive, send)

@@ -1,0 +1,155 @@
+"""``data.image_max_pixels`` / ``data.image_min_pixels``: each decoded image scaled into a pixel budget,
+aspect kept, for every data shape, before the processor, HF generate or a vLLM server sees it."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hydra.utils import instantiate
+from PIL import Image
+from test_train import _run
+
+from helpers import compose_train
+from lightning_vlm.data import PreferenceDataModule, PromptDataModule, SFTDataModule, UnpairedDataModule
+from lightning_vlm.data.image_budget import ImageBudget
+from lightning_vlm.recurring import reset_recurring
+
+IMG = {"type": "image"}
+QUESTION = [IMG, {"type": "text", "text": "What colour is the shape?"}]
+
+
+@pytest.mark.parametrize(
+    ("budget", "size", "expected"),
+    [
+        # sqrt(1e6 / 12e6) = 0.288675: 4000 -> 1154.7, 3000 -> 866.03, rounded down (999,364 pixels)
+        (ImageBudget(max_pixels=1_000_000), (4000, 3000), (1154, 866)),
+        (ImageBudget(max_pixels=30_000), (400, 300), (200, 150)),  # a factor of exactly 1/2
+        # sqrt(800 / 200) = 2 exactly; sqrt(1000 / 300) = 1.8257: 18.26 -> 19, 54.77 -> 55 (1045 pixels)
+        (ImageBudget(min_pixels=800), (10, 20), (20, 40)),
+        (ImageBudget(min_pixels=1000), (10, 30), (19, 55)),
+        (ImageBudget(max_pixels=100, min_pixels=50), (10, 8), (10, 8)),  # within: as it is
+        (ImageBudget(max_pixels=4), (1000, 1), (4, 1)),  # 0.06 of a pixel high is 1: the width gives way
+        (ImageBudget(max_pixels=4), (1, 1000), (1, 4)),
+        (ImageBudget(), (5000, 5000), (5000, 5000)),  # off by default
+    ],
+)
+def test_the_size_an_image_is_scaled_to(budget, size, expected):
+    assert budget.size_for(*size) == expected
+
+
+def test_an_image_within_the_budget_is_not_resampled():
+    image = Image.new("RGB", (10, 8), (1, 2, 3))
+    assert ImageBudget(max_pixels=80, min_pixels=80).fit(image) is image
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"max_pixels": 0}, "data.image_max_pixels"),
+        ({"max_pixels": 2.5e5}, "data.image_max_pixels"),
+        ({"min_pixels": -1}, "data.image_min_pixels"),
+        (
+            {"max_pixels": 100, "min_pixels": 200},
+            "data.image_min_pixels=200 is over data.image_max_pixels=100",
+        ),
+    ],
+)
+def test_bad_budgets_are_refused_naming_the_setting(kwargs, named, tmp_path):
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        ImageBudget(**kwargs)
+    # and from the DataModule, before any row is read
+    keys = {f"image_{k}": v for k, v in kwargs.items()}
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        SFTDataModule(train=str(tmp_path / "never_read.jsonl"), **keys)
+
+
+def _rows(shape: str) -> list[dict]:
+    image = {"images": ["big.png"], "solution": "red"}
+    if shape == "sft":
+        return [{"messages": [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "red"}],
+                 **image}]  # fmt: skip
+    prompt = [{"role": "user", "content": QUESTION}]
+    if shape == "prompt":
+        return [{"prompt": prompt, **image}]
+    if shape == "preference":
+        return [{"prompt": prompt, "chosen": "red", "rejected": "blue", **image}]
+    return [{"prompt": prompt, "completion": "red", "label": True, **image}]
+
+
+MODULES = {"sft": SFTDataModule, "prompt": PromptDataModule, "preference": PreferenceDataModule,
+           "unpaired": UnpairedDataModule}  # fmt: skip
+
+
+def _write(folder: Path, shape: str, size: tuple[int, int] = (400, 300)) -> Path:
+    # The left half red, the right half blue: the scaled copy keeps where each colour is.
+    pixels = np.zeros((size[1], size[0], 3), np.uint8)
+    pixels[:, : size[0] // 2] = (255, 0, 0)
+    pixels[:, size[0] // 2 :] = (0, 0, 255)
+    Image.fromarray(pixels).save(folder / "big.png")
+    path = folder / f"{shape}.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in _rows(shape)) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("shape", list(MODULES))
+def test_every_data_shape_yields_its_images_scaled_into_the_budget(shape, tmp_path, caplog):
+    reset_recurring()  # as each run does (training.build)
+    dm = MODULES[shape](train=str(_write(tmp_path, shape)), image_max_pixels=30_000)
+    dm.setup()
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm.data.image_budget"):
+        rows = [row for batch in dm.train_dataloader() for row in batch]
+    for row in rows:
+        (image,) = row["images"]
+        assert image.size == (200, 150)
+        pixels = np.asarray(image)
+        assert (pixels[:, :90] == (255, 0, 0)).all() and (pixels[:, 110:] == (0, 0, 255)).all()
+    warned = [r.getMessage() for r in caplog.records if "resized an image" in r.getMessage()]
+    assert len(warned) == 1 and "(400x300 -> 200x150)" in warned[0], warned
+
+
+def test_without_a_budget_images_stay_as_stored(tmp_path):
+    dm = PromptDataModule(train=str(_write(tmp_path, "prompt")))
+    dm.setup()
+    (row,) = next(iter(dm.train_dataloader()))
+    assert row["images"][0].size == (400, 300)
+
+
+def test_a_small_image_is_scaled_up_to_the_minimum(tmp_path):
+    dm = PromptDataModule(train=str(_write(tmp_path, "prompt", (20, 10))), image_min_pixels=800)
+    dm.setup()
+    (row,) = next(iter(dm.train_dataloader()))
+    assert row["images"][0].size == (40, 20)  # sqrt(800 / 200) = 2
+
+
+def test_the_budget_from_the_config_and_what_a_vllm_server_is_sent(tmp_path):
+    from lightning_vlm.generation.vllm_server import image_url
+
+    cfg = compose_train(
+        ["method=grpo", f"data.train={_write(tmp_path, 'prompt')}", "data.image_max_pixels=30000"]
+    )
+    dm = instantiate(cfg.data, _convert_="all")
+    assert dm.row_format.image_budget == ImageBudget(max_pixels=30_000)
+    assert compose_train([]).data.image_max_pixels is None  # the documented default: off
+    dm.setup()
+    (row,) = next(iter(dm.train_dataloader()))
+    sent = Image.open(io.BytesIO(base64.b64decode(image_url(row["images"][0]).split(",", 1)[1])))
+    assert sent.size == (200, 150)
+    assert np.array_equal(np.asarray(sent), np.asarray(row["images"][0]))  # the pixels the trainer has
+
+
+@pytest.mark.slow
+def test_train_py_trains_on_scaled_images(tmp_path):
+    # Qwen2.5-VL's tiny processor would take a 448x448 image down to 112x112 (16 tokens); the budget makes
+    # it 56x56 (4 tokens) before the processor sees it.
+    path = _write(tmp_path, "prompt", (448, 448))
+    overrides = ["method=grpo", f"data.train={path}", "data.image_max_pixels=3136", "data.batch_size=1",
+                 "trainer.max_steps=2", "trainer.limit_val_batches=0", "logger=none", "callbacks=none"]  # fmt: skip
+    proc = _run(overrides, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "448x448 -> 56x56" in proc.stdout + proc.stderr  # the warning (Hydra logs to stdout)
