@@ -153,3 +153,43 @@ def test_train_py_trains_on_scaled_images(tmp_path):
     proc = _run(overrides, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "448x448 -> 56x56" in proc.stdout + proc.stderr  # the warning (Hydra logs to stdout)
+
+
+def _photo(path: Path, size: tuple[int, int], orientation: int = 1) -> None:
+    """A smooth JPEG (a gradient), optionally stored sideways with an EXIF orientation tag."""
+    x = np.linspace(0, 255, size[0], dtype=np.float32)[None, :, None]
+    y = np.linspace(0, 255, size[1], dtype=np.float32)[:, None, None]
+    pixels = np.broadcast_to(np.concatenate([x + 0 * y, y + 0 * x, (x + y) / 2], -1), (size[1], size[0], 3))
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    Image.fromarray(pixels.astype(np.uint8)).save(path, quality=95, exif=exif)
+
+
+# 1600x1200 decodes at 1/8 scale, 200x150 at once; 1000x750 at 1/4 (250x188), then resized to 200x150.
+@pytest.mark.parametrize("stored", [(1600, 1200), (1000, 750)])
+def test_a_jpeg_decoded_at_a_reduced_scale_gets_the_size_and_pixels_of_a_full_decode(
+    stored, tmp_path, caplog
+):
+    from lightning_vlm.data import open_image
+
+    path = tmp_path / "photo.jpg"
+    _photo(path, stored)
+    budget = ImageBudget(max_pixels=30_000)
+    reset_recurring()
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm.data.image_budget"):
+        drafted = open_image(str(path), budget=budget)
+        (warning,) = caplog.records  # said also where the draft alone resized it
+    full = budget.fit(open_image(str(path)))
+    assert drafted.size == full.size == (200, 150)
+    # the same picture: a gradient's pixels within a few levels (JPEG's DCT scaling vs bicubic alone)
+    assert np.abs(np.asarray(drafted, np.float32) - np.asarray(full, np.float32)).mean() < 2.0
+    assert f"({stored[0]}x{stored[1]} -> 200x150)" in warning.getMessage()  # the stored size, not the draft's
+
+
+def test_a_sideways_photo_is_scaled_upright(tmp_path):
+    from lightning_vlm.data import open_image
+
+    path = tmp_path / "sideways.jpg"
+    _photo(path, (1600, 1200), orientation=6)  # stored landscape, shown portrait
+    assert open_image(str(path)).size == (1200, 1600)
+    assert open_image(str(path), budget=ImageBudget(max_pixels=30_000)).size == (150, 200)

@@ -62,13 +62,16 @@ class ImageBudget:
                     height = max(1, self.max_pixels // width)
         return width, height
 
-    def fit(self, image: Image.Image) -> Image.Image:
-        """``image`` itself when it is within the budget, else a resized copy (bicubic, antialiased)."""
-        size = self.size_for(*image.size)
-        if size == image.size:
-            return image
-        _warn(image.size, size)
-        return image.resize(size, Image.Resampling.BICUBIC)
+    def fit(self, image: Image.Image, stored_size: tuple[int, int] | None = None) -> Image.Image:
+        """``image`` itself when it is within the budget, else a resized copy (bicubic, antialiased).
+
+        ``stored_size``: the (upright) size of the image as stored, when it was decoded smaller (a JPEG's
+        draft scale); the size it is scaled to follows from that, whatever scale it was decoded at."""
+        stored_size = image.size if stored_size is None else stored_size
+        size = self.size_for(*stored_size)
+        if size != stored_size:  # said also when the draft scale alone gave that size
+            _warn(stored_size, size)
+        return image if size == image.size else image.resize(size, Image.Resampling.BICUBIC)
 
 
 def _warn(before: tuple[int, int], after: tuple[int, int]) -> None:
