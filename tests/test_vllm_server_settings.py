@@ -52,3 +52,35 @@ def test_server_args_cannot_move_the_server_the_callback_polls(args):
     VLLMGeneration(mode="server", start_server=True, server_args=["--max-model-len", "512"])  # others pass
     with pytest.raises(ValueError, match=r"are options of the server this callback starts"):
         VLLMGeneration(mode="server", server_args=args)  # a server started by hand: never read
+
+
+def test_engine_settings_a_hand_started_server_never_reads_are_warned_about(caplog):
+    from hydra.utils import instantiate
+
+    from helpers import compose_train
+    from lightning_vlm.callbacks.vllm import VLLMGeneration
+
+    def warned(**kwargs) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lightning_vlm.callbacks.vllm"):
+            VLLMGeneration(**kwargs)
+        return [r.getMessage() for r in caplog.records if "started by hand" in r.getMessage()]
+
+    (message,) = warned(mode="server", engine={"max_model_len": 4096, "mm_processor_cache_gb": 2.0})
+    assert "engine.max_model_len, engine.mm_processor_cache_gb" in message
+    assert not warned(
+        mode="server", start_server=True, engine={"max_model_len": 4096}
+    )  # its server takes them
+    assert not warned(mode="colocate", engine={"max_model_len": 4096})
+    # the configs as shipped: generation=vllm_server's own engine settings are no user's doing
+    node = compose_train(["method=grpo", "generation=vllm_server"]).callbacks.vllm_generation
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lightning_vlm.callbacks.vllm"):
+        instantiate(node, _convert_="all")
+    assert not [r for r in caplog.records if "started by hand" in r.getMessage()]
+    node = compose_train(
+        ["method=grpo", "generation=vllm_server", "callbacks.vllm_generation.engine.dtype=bfloat16"]
+    )
+    with caplog.at_level("WARNING", logger="lightning_vlm.callbacks.vllm"):
+        instantiate(node.callbacks.vllm_generation, _convert_="all")
+    assert any("engine.dtype configure" in r.getMessage() for r in caplog.records)

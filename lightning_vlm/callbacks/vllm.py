@@ -35,6 +35,9 @@ from lightning_vlm.parallel.steps import partitions_weights
 from lightning_vlm.serving.server_gpus import gpus_needed, server_gpus, visible_gpus
 
 log = logging.getLogger(__name__)
+# Engine settings conf/generation/vllm_server.yaml gives for a server the callback starts: set by every
+# server config, so not the user's doing when the server is started by hand.
+_SERVER_SET = ("gpu_memory_utilization", "seed")
 MODES = ("colocate", "server")
 
 
@@ -113,6 +116,15 @@ class VLLMGeneration(L.Callback):
                 f"callbacks.vllm_generation.server_args={list(server_args)} are options of the server this "
                 "callback starts (start_server=true); give a server started by hand its options on its own "
                 "command line"
+            )
+        if mode == "server" and not start_server and (unread := self.engine.overrides(_SERVER_SET)):
+            # Not an error: generation=vllm_server sets some itself, and a colocate config switched to a
+            # server by `mode=server` brings its own. The server's own command line decides them.
+            log.warning(
+                "callbacks.vllm_generation.engine.%s configure the engine this callback builds or starts; a server "
+                "started by hand (start_server=false) never reads them: give that server its options on its own "
+                "command line",
+                ", engine.".join(unread),
             )
         self.server_devices = None if server_devices is None else [int(i) for i in server_devices]
         self.wait_for_server = wait_for_server

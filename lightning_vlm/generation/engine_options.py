@@ -94,6 +94,15 @@ class EngineOptions:
             options = cls(**values)
         return dataclasses.replace(options, **overrides) if overrides else options
 
+    def overrides(self, skip: tuple[str, ...] = ()) -> list[str]:
+        """The names of the fields (but ``skip``) set to other values than their defaults."""
+        changed = []
+        for f in dataclasses.fields(self):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if f.name not in skip and getattr(self, f.name) != default:
+                changed.append(f.name)
+        return changed
+
     def for_policy(self, processor_kwargs: Mapping[str, Any] | None) -> EngineOptions:
         """These options with ``mm_processor_kwargs`` defaulting to the policy's processor settings.
 
