@@ -116,12 +116,19 @@ def drop_refused(callbacks: list[Any], trainer_cfg: DictConfig, has_logger: bool
     return callbacks
 
 
+def _no_product_tips(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("💡 Tip:")
+
+
 def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
     """Seeds, checks the model against its settings, and builds the datamodule and the method module
     (with its VLM): what train.py and eval.py share."""
     # Lightning's pytree helper still builds torch's deprecated LeafSpec: a FutureWarning at the top of every
     # run that says nothing about it.
     warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
+    # Lightning advertises its hosted services (litlogger, litmodels) in two lines at every fit, between
+    # the lines a newcomer reads; the filter is added once (the same function).
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_no_product_tips)
     check_settings(cfg)  # settings that would fail later with a traceback, refused naming the setting
     reset_recurring()  # a sweep's next job (train or eval) warns about its own rows afresh
     offline_if_unreachable(cfg)  # a missing model or dataset named at once, not after minutes of retries

@@ -127,5 +127,6 @@ def test_train_py_on_a_data_file_without_validation_and_without_a_progress_bar_e
     # Said before the run's last lines (the report), not after them.
     assert proc.stdout.index("was not logged (no validation ran)") < proc.stdout.index("Run folder:")
     assert "Epoch 0:" not in output  # no progress bar
+    assert "Tip:" not in output  # Lightning's advertisements for its hosted services
     assert next((tmp_path / "logs" / "sft" / "runs").iterdir()).joinpath("checkpoints", "last.ckpt").is_file()
     assert not (tmp_path / "logs" / "sft" / "multiruns").exists()  # a single run is no sweep: no summary
