@@ -21,6 +21,7 @@ from lightning_vlm.callbacks.run_identity import check_run_identity
 from lightning_vlm.callbacks.same_config import SameConfig
 from lightning_vlm.callbacks.sigterm import SyncedSigterm
 from lightning_vlm.ckpt_path import checkpoint_entries, checkpoint_to_load, restore_errors
+from lightning_vlm.data.image_budget import warn_changed_budget
 from lightning_vlm.data.sources import plain
 from lightning_vlm.loggers import ending_runs, start_runs
 from lightning_vlm.methods.dpo import DPO
@@ -117,6 +118,8 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
 
         if ckpt_path is not None:
             check_held_out_rows(ckpt_path, datamodule.hparams)
+            trained = (checkpoint_entries(ckpt_path) or {}).get("datamodule_hyper_parameters")
+            warn_changed_budget(ckpt_path, trained, datamodule.hparams)
         stopped = "Stopped by SIGTERM during the evaluation: no report written; run it again"
         with restore_errors(ckpt_path, module), sigterm_exits(trainer, stopped):
             results = trainer.validate(

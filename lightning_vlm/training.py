@@ -36,6 +36,7 @@ from lightning_vlm.callbacks.same_config import SameConfig
 from lightning_vlm.callbacks.sigterm import SyncedSigterm, raise_on_sigterm, requeue_if_asked
 from lightning_vlm.callbacks.validated_step import ValidatedStep, validated_final_step
 from lightning_vlm.ckpt_path import checkpoint_entries, checkpoint_to_load, last_checkpoint, restore_errors
+from lightning_vlm.data.image_budget import warn_changed_budget
 from lightning_vlm.hub_reach import offline_if_unreachable
 from lightning_vlm.loggers import WandbRunId, builds_wandb, ending_runs, start_runs, wandb_run_id
 from lightning_vlm.models.scale_guard import check_model_scale
@@ -261,6 +262,7 @@ def _fit(
     warn_unapplied_optimizer(ckpt_path, entries, optimizer)
     check_time_budget(ckpt_path, entries, trainer)
     warn_changed_settings(ckpt_path, entries, module.hparams)
+    warn_changed_budget(ckpt_path, entries.get("datamodule_hyper_parameters"), datamodule.hparams)
 
     for lg in trainer.loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))

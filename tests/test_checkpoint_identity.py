@@ -142,3 +142,22 @@ def test_method_settings_changed_since_the_checkpoint_are_named(dpo_ckpt, tmp_pa
     with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
         train(compose_train(resume, tmp_path / "b"))
     assert "trained with other method settings" not in caplog.text
+
+
+def test_a_resume_or_an_evaluation_with_another_image_budget_is_named(dpo_ckpt, tmp_path, caplog):
+    # data.image_max_pixels changed since the checkpoint: the weights meet other pixels (often other image
+    # tokens) than they trained on. The DPO checkpoint was trained with no budget (the default).
+    _, ckpt = dpo_ckpt
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
+        train(compose_train([*RUN, "method=dpo", "trainer.max_steps=2", f"ckpt_path={ckpt}",
+                             "data.image_max_pixels=3136"], tmp_path / "a"))  # fmt: skip
+        evaluate(compose_train([*RUN, "method=dpo", f"ckpt_path={ckpt}", "data.image_min_pixels=20000",
+                                "trainer.limit_val_batches=1"], tmp_path / "eval", "eval"))  # fmt: skip
+    warned = [r.getMessage() for r in caplog.records if "another pixel budget" in r.getMessage()]
+    assert len(warned) == 2, warned
+    assert "data.image_max_pixels=3136 (checkpoint: None)" in warned[0]
+    assert "data.image_min_pixels=20000 (checkpoint: None)" in warned[1]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
+        train(compose_train([*RUN, "method=dpo", "trainer.max_steps=2", f"ckpt_path={ckpt}"], tmp_path / "b"))
+    assert "another pixel budget" not in caplog.text

@@ -145,8 +145,6 @@ def test_the_budget_from_the_config_and_what_a_vllm_server_is_sent(tmp_path):
 
 @pytest.mark.slow
 def test_train_py_trains_on_scaled_images(tmp_path):
-    # Qwen2.5-VL's tiny processor would take a 448x448 image down to 112x112 (16 tokens); the budget makes
-    # it 56x56 (4 tokens) before the processor sees it.
     path = _write(tmp_path, "prompt", (448, 448))
     overrides = ["method=grpo", f"data.train={path}", "data.image_max_pixels=3136", "data.batch_size=1",
                  "trainer.max_steps=2", "trainer.limit_val_batches=0", "logger=none", "callbacks=none"]  # fmt: skip
@@ -166,12 +164,23 @@ def _photo(path: Path, size: tuple[int, int], orientation: int = 1) -> None:
 
 
 # 1600x1200 decodes at 1/8 scale, 200x150 at once; 1000x750 at 1/4 (250x188), then resized to 200x150.
-@pytest.mark.parametrize("stored", [(1600, 1200), (1000, 750)])
+@pytest.mark.parametrize(("stored", "decoded"), [((1600, 1200), (200, 150)), ((1000, 750), (250, 188))])
 def test_a_jpeg_decoded_at_a_reduced_scale_gets_the_size_and_pixels_of_a_full_decode(
-    stored, tmp_path, caplog
+    stored, decoded, tmp_path, caplog, monkeypatch
 ):
+    from PIL.JpegImagePlugin import JpegImageFile
+
     from lightning_vlm.data import open_image
 
+    drafts = []
+    draft = JpegImageFile.draft
+
+    def spy(self, mode, size):
+        result = draft(self, mode, size)
+        drafts.append(self.size)  # the size the decoder will produce
+        return result
+
+    monkeypatch.setattr(JpegImageFile, "draft", spy)
     path = tmp_path / "photo.jpg"
     _photo(path, stored)
     budget = ImageBudget(max_pixels=30_000)
@@ -179,17 +188,68 @@ def test_a_jpeg_decoded_at_a_reduced_scale_gets_the_size_and_pixels_of_a_full_de
     with caplog.at_level(logging.WARNING, logger="lightning_vlm.data.image_budget"):
         drafted = open_image(str(path), budget=budget)
         (warning,) = caplog.records  # said also where the draft alone resized it
+    assert drafts == [decoded]
     full = budget.fit(open_image(str(path)))
+    assert drafts == [decoded]  # no draft without a budget
     assert drafted.size == full.size == (200, 150)
     # the same picture: a gradient's pixels within a few levels (JPEG's DCT scaling vs bicubic alone)
     assert np.abs(np.asarray(drafted, np.float32) - np.asarray(full, np.float32)).mean() < 2.0
     assert f"({stored[0]}x{stored[1]} -> 200x150)" in warning.getMessage()  # the stored size, not the draft's
 
 
-def test_a_sideways_photo_is_scaled_upright(tmp_path):
+@pytest.mark.parametrize("orientation", [1, 3, 5, 6, 7, 8])  # 5-8 turn it a quarter: width and height swap
+def test_a_photo_with_an_exif_orientation_is_scaled_upright(orientation, tmp_path):
     from lightning_vlm.data import open_image
 
     path = tmp_path / "sideways.jpg"
-    _photo(path, (1600, 1200), orientation=6)  # stored landscape, shown portrait
-    assert open_image(str(path)).size == (1200, 1600)
-    assert open_image(str(path), budget=ImageBudget(max_pixels=30_000)).size == (150, 200)
+    _photo(path, (1600, 1200), orientation)
+    budget = ImageBudget(max_pixels=30_000)
+    upright = open_image(str(path))
+    turned = orientation >= 5
+    assert upright.size == ((1200, 1600) if turned else (1600, 1200))
+    scaled = open_image(str(path), budget=budget)
+    assert scaled.size == ((150, 200) if turned else (200, 150))
+    # the picture turned the same way as the full-size decode (a gradient: a wrong turn is far off)
+    assert np.abs(np.asarray(scaled, np.float32) - np.asarray(budget.fit(upright), np.float32)).mean() < 2.0
+
+
+def test_images_given_as_bytes_or_pil_images_are_scaled_too(tmp_path):
+    from lightning_vlm.data import open_image
+
+    path = tmp_path / "photo.jpg"
+    _photo(path, (1600, 1200))
+    budget = ImageBudget(max_pixels=30_000)
+    assert open_image(path.read_bytes(), budget=budget).size == (200, 150)
+    with Image.open(path) as image:
+        assert open_image(image, budget=budget).size == (200, 150)
+        assert image.size == (1600, 1200)  # the caller's image is left as it is
+
+
+def test_the_processor_gets_the_scaled_image_and_its_fewer_tokens(tiny_path, tmp_path):
+    # Qwen2.5-VL's tiny processor takes a 448x448 image down to 112x112 (16 tokens); the budget makes it
+    # 56x56 (4 tokens) before the processor sees it.
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_path("qwen2_5_vl"))
+    path = _write(tmp_path, "prompt", (448, 448))
+    tokens = {}
+    for budget in (None, 3136):
+        dm = PromptDataModule(train=str(path), image_max_pixels=budget)
+        dm.setup()
+        (row,) = next(iter(dm.train_dataloader()))
+        grid = processor.image_processor(images=row["images"], return_tensors="pt")["image_grid_thw"]
+        tokens[budget] = int(grid.prod()) // 4
+    assert tokens == {None: 16, 3136: 4}
+
+
+@pytest.mark.parametrize(("kinds", "image_size"), [(["grounding"], 56), (["size", "color"], 112)])
+def test_synthetic_answers_in_pixels_are_not_scaled_away(kinds, image_size):
+    synthetic = {"kinds": kinds, "image_size": image_size}
+    dm = PromptDataModule(synthetic=synthetic, image_max_pixels=image_size * image_size - 1)
+    with pytest.raises(
+        ValueError, match=r"data\.image_max_pixels.*\(\d+x\d+ -> \d+x\d+\).*data\.synthetic\.image_size"
+    ):
+        dm.setup()
+    # a budget the images already fit, and kinds answered in words, are left alone
+    PromptDataModule(synthetic=synthetic, image_max_pixels=image_size * image_size).setup()
+    PromptDataModule(synthetic={"kinds": ["color"]}, image_max_pixels=1000).setup()

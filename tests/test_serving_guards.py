@@ -62,6 +62,9 @@ def test_bodies_are_limited_per_route_before_they_are_read():
     assert client.post(WEIGHTS_PATH, content=b"x" * 1001, headers=octet).status_code == 413
     # A JSON body to the weights route gets the small limit: only the raw upload is streamed.
     assert client.post(WEIGHTS_PATH, content=b"x" * 101).status_code == 413
+    assert (
+        "image_max_pixels" not in client.post(WEIGHTS_PATH, content=b"x" * 101).json()["error"]
+    )  # no images
     chunked = client.post("/v1/x", content=iter([b"x", b"y"]))  # no Content-Length: chunked
     assert chunked.status_code == 411
     assert client.post("/v1/x").status_code == 200  # no body at all (e.g. POST /sleep?level=1)

@@ -29,7 +29,7 @@ from lightning_vlm.data.loaded import Source
 from lightning_vlm.data.resumable import ResumableDataLoader
 from lightning_vlm.data.rows import RowError
 from lightning_vlm.data.skips import NoRowsError, SkippedRow, collate_rows, require_rows, scan
-from lightning_vlm.data.sources import load_source, plain
+from lightning_vlm.data.sources import check_pixel_answers, load_source, plain
 from lightning_vlm.data.synthetic import SYNTHETIC_OPTIONS
 from lightning_vlm.data.templates import RowFormat
 from lightning_vlm.data.unpair import UnpairedView, unpair
@@ -181,6 +181,7 @@ class VLMDataModule(L.LightningDataModule):
     def load(self, spec: str | dict, split: str, role: str) -> Source:
         """The raw rows of one source spec (``load_source``); subclasses may reshape them."""
         source = load_source(spec, self.shape, split, self._synthetic(role))
+        check_pixel_answers(source, self.row_format.image_budget)
         if self.hparams.image_dir is not None:
             source.base_dir, source.row_dirs = Path(self.hparams.image_dir).expanduser(), None
         return source

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from PIL import Image
 
@@ -45,9 +47,10 @@ class ImageBudget:
             )
 
     def size_for(self, width: int, height: int) -> tuple[int, int]:
-        """The (width, height) an image of this size is scaled to: the same aspect ratio (up to rounding),
-        at most ``max_pixels`` (rounded down) and at least ``min_pixels`` (rounded up), max winning where
-        rounding cannot meet both; each side at least 1 pixel (a sliver's long side shrinks more)."""
+        """The (width, height) an image of this size is scaled to: the same aspect ratio up to rounding, at
+        least ``min_pixels`` (each side rounded up), then at most ``max_pixels`` (each side rounded down), so
+        the maximum holds where rounding cannot meet both; each side at least 1 pixel (a sliver's long side
+        then shrinks more). Budgets of a few pixels distort the shape (1000x999 at 4 pixels is 2x1)."""
         pixels = width * height
         if self.min_pixels is not None and pixels < self.min_pixels:
             factor = math.sqrt(self.min_pixels / pixels)
@@ -72,6 +75,31 @@ class ImageBudget:
         if size != stored_size:  # said also when the draft scale alone gave that size
             _warn(stored_size, size)
         return image if size == image.size else image.resize(size, Image.Resampling.BICUBIC)
+
+
+BUDGET_SETTINGS = ("image_max_pixels", "image_min_pixels")
+
+
+def warn_changed_budget(
+    ckpt_path: str | None, trained: Mapping[str, Any] | None, data: Mapping[str, Any]
+) -> None:
+    """Warns, naming them, when ``ckpt_path``'s run scaled its images into another budget than ``data``'s
+    settings do: a resumed run or an evaluation would then see other pixels (often other image tokens) than
+    the weights were trained on. ``trained``: the checkpoint's ``datamodule_hyper_parameters`` (None: none)."""
+    if not trained:
+        return
+    changed = [
+        f"data.{key}={data.get(key)!r} (checkpoint: {trained.get(key)!r})"
+        for key in BUDGET_SETTINGS
+        if trained.get(key) != data.get(key)  # a checkpoint from before these settings: None, as the default
+    ]
+    if changed:
+        log.warning(
+            "ckpt_path=%r trained on images scaled into another pixel budget; this run's images differ from the "
+            "ones it saw: %s",
+            ckpt_path,
+            ", ".join(changed),
+        )
 
 
 def _warn(before: tuple[int, int], after: tuple[int, int]) -> None:

@@ -31,6 +31,7 @@ from lightning_vlm.data.files import (
     split_names,
 )
 from lightning_vlm.data.folders import from_folder
+from lightning_vlm.data.image_budget import ImageBudget
 from lightning_vlm.data.loaded import DatasetRows, Source, load_hf_dataset, warn_json_text
 from lightning_vlm.data.synthetic import QUESTIONS, ROW_BUILDERS, SYNTHETIC_OPTIONS, build_row, make_sample
 
@@ -42,6 +43,8 @@ SYNTHETIC_DEFAULTS: dict[str, Any] = {
 }
 
 
+# Synthetic kinds whose answers are in the image's pixels (a box, a width): a resized image breaks them.
+PIXEL_ANSWER_KINDS = ("grounding", "size")
 MIN_IMAGE_SIZE = 16  # the smallest image every synthetic kind draws (grounding: 16, count: 14)
 
 
@@ -191,6 +194,21 @@ def _from_hub(name: str, subset: str | None, split: str) -> Source:
     if has_json_feature(dataset.features):
         warn_json_text(f"{name} [{split}]")
     return Source(DatasetRows(dataset), f"{name} [{split}]")
+
+
+def check_pixel_answers(source: Source, budget: ImageBudget) -> None:
+    """Refuse a budget that resizes synthetic rows whose answers are in the image's pixels: their answers
+    (and the rewards scoring them) would no longer match the image the model sees."""
+    rows = source.rows
+    if not isinstance(rows, SyntheticRows) or not (kinds := set(rows.kinds) & set(PIXEL_ANSWER_KINDS)):
+        return
+    size = rows.image_size
+    if (scaled := budget.size_for(size, size)) != (size, size):
+        raise ValueError(
+            f"data.image_max_pixels / data.image_min_pixels would scale the synthetic {sorted(kinds)} images "
+            f"({size}x{size} -> {scaled[0]}x{scaled[1]}), whose answers are in their pixels: set "
+            "data.synthetic.image_size instead, or leave the budget off"
+        )
 
 
 def synthetic_source(

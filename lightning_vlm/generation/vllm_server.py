@@ -41,8 +41,8 @@ MAX_SAMPLING_ATTEMPTS = 3  # generations of one batch redone after a reconnect, 
 def image_url(image: Any) -> str:
     """A PIL image as a PNG data URL (lossless: vLLM sees the trainer's pixels)."""
     buffer = io.BytesIO()
-    # zlib level 1, not PIL's 6: measured on a 12-megapixel photo, 0.93 s instead of 4.3 s to encode for a
-    # body 7 % larger (16.2 MiB, not 15.1); level 0 halves the time again but doubles the body.
+    # zlib level 1, not PIL's 6: on a 12-megapixel photo 4.4x as fast to encode for a body 7 % larger
+    # (benchmarks/image_budget.py); level 0 halves the time again but doubles the body.
     image.save(buffer, format="PNG", compress_level=1)
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 

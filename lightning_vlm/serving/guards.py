@@ -79,9 +79,8 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
-        upload = scope["path"].removeprefix(scope.get("root_path", "")) == WEIGHTS_PATH and is_octet_stream(
-            _header(scope, b"content-type")
-        )
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        upload = path == WEIGHTS_PATH and is_octet_stream(_header(scope, b"content-type"))
         # The upload streams to disk (and counts what it reads); everything else is read whole.
         limit, flag = (
             (self.max_weights_bytes, "--max-weights-gb") if upload else (self.max_bytes, "--max-request-mb")
@@ -94,8 +93,13 @@ class BodyLimit:
         if not length.strip().isdigit():
             return await _send_json(scope, send, 400, {"error": f"bad Content-Length {length!r}"})
         if int(length) > limit:
-            # A generation request is mostly its images, sent as PNGs at the size the trainer holds them.
-            hint = "" if upload else "; or scale the trainer's images down: data.image_max_pixels"
+            # A generation request (OpenAI's /v1 routes) is mostly its images, sent as PNGs at the size the
+            # trainer holds them.
+            hint = (
+                "; or scale the trainer's images down: data.image_max_pixels"
+                if path.startswith("/v1/")
+                else ""
+            )
             return await _send_json(
                 scope, send, 413, {"error": f"body of {length} B exceeds {limit} B ({flag}{hint})"}
             )
