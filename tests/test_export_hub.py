@@ -34,7 +34,7 @@ def test_dry_run_writes_the_card_and_manifest_without_the_network(tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "PROJECT_ROOT": str(tmp_path), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     args = [*SHORT, "callbacks.export.push_to_hub=dry_run", "callbacks.export.hub_model_id=me/tiny-sft",
-            f"hydra.run.dir={run}"]  # fmt: skip
+            f"hydra.run.dir={run}", "data.image_max_pixels=6272"]  # fmt: skip
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -48,6 +48,8 @@ def test_dry_run_writes_the_card_and_manifest_without_the_network(tmp_path):
     assert card.data.base_model is None  # the tiny model is a local folder, not a Hub id
     assert (run / ".hydra" / "config.yaml").read_text().strip() in card.text  # the composed config
     assert "| `val/answer_accuracy` |" in card.text and "push_to_hub: dry_run" in card.text
+    # the images it trained on were scaled (112x112 -> 79x79): a user of the model scales theirs alike
+    assert "training images were scaled, aspect kept, to at most 6272 pixels" in card.text
 
     manifest = json.loads((run / "hf_model.hub_manifest.json").read_text())
     assert manifest["dry_run"] is True and manifest["repo_id"] == "me/tiny-sft"
@@ -86,6 +88,7 @@ def test_a_hub_base_model_goes_into_the_card_metadata():
                       {"val/reward": 0.5}, "me/tiny-grpo")  # fmt: skip
     assert card.data.base_model == "Qwen/Qwen2.5-VL-3B-Instruct"
     assert "grpo" in card.data.tags and "| `val/reward` | 0.5 |" in card.text
+    assert "images were scaled" not in card.text  # no budget set: nothing said
 
 
 @pytest.mark.parametrize("base", ["Qwen/Qwen2.5-VL-3B-Instruct", "/models/local-base"])

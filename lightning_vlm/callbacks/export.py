@@ -129,7 +129,10 @@ class ExportHFModel(L.Callback):
         method = _method_name(config, pl_module)
         name = self.hub_model_id or self.dirpath.name
         adapter = pl_module.vlm.is_lora and not self.merge_lora
-        card = model_card(pl_module.vlm.model_name_or_path, method, config, source, metrics, name, adapter)
+        budget = _image_budget(trainer.datamodule)
+        card = model_card(
+            pl_module.vlm.model_name_or_path, method, config, source, metrics, name, adapter, budget
+        )
         card.save(self.dirpath / "README.md")
 
     def _upload(self) -> str:
@@ -210,6 +213,23 @@ def _is_hub_id(name: str) -> bool:
     return not os.path.exists(name) and name.count("/") == 1 and not name.startswith((".", "/"))
 
 
+def _image_budget(datamodule: object) -> str | None:
+    """What the card says of the pixel budget the training images were scaled into; None: none was set."""
+    from lightning_vlm.data.datamodule import VLMDataModule
+
+    if not isinstance(datamodule, VLMDataModule):
+        return None
+    hp = datamodule.hparams
+    bounds = [f"at {side} {hp[key]} pixels" for side, key in (("most", "image_max_pixels"),
+              ("least", "image_min_pixels")) if hp.get(key) is not None]  # fmt: skip
+    if not bounds:
+        return None
+    return (
+        f"Its training images were scaled, aspect kept, to {' and '.join(bounds)} (width x height; lightning-vlm's "
+        "`data.image_max_pixels` / `data.image_min_pixels`): scale yours the same way before the processor."
+    )
+
+
 def model_card(
     base_model: str,
     method: str,
@@ -218,9 +238,11 @@ def model_card(
     metrics: dict[str, float],
     name: str,
     adapter: bool = False,
+    image_budget: str | None = None,
 ) -> ModelCard:
     """A model card: Hub metadata (library, tags, base model) and a body with the method, the final
-    metrics, how to load it and the config. ``adapter``: a LoRA adapter (``merge_lora=false``), which the
+    metrics, how to load it (with ``image_budget``'s sentence, if the training images were scaled) and the
+    config. ``adapter``: a LoRA adapter (``merge_lora=false``), which the
     Hub lists under peft and which loads onto its base model."""
     data = ModelCardData(
         library_name="peft" if adapter else "transformers",
@@ -245,7 +267,7 @@ A vision-language model trained with **{method}** by lightning-vlm, starting fro
 
 ## Usage
 
-{_usage(name, base_model, adapter)}
+{_usage(name, base_model, adapter)}{"" if image_budget is None else chr(10) * 2 + image_budget}
 
 ## Training configuration
 
