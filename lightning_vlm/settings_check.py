@@ -66,6 +66,7 @@ def check_settings(cfg: DictConfig) -> None:
             "validation off: drop one of them"
         )
     check_ckpt_path(cfg.get("ckpt_path"))
+    _check_image_budget(data)
     optimizer = method.get("optimizer") or {}
     lr = optimizer.get("lr")
     if lr is not None and (not _number(lr) or lr < 0):  # torch's own errors come from its step, unnamed
@@ -89,6 +90,20 @@ def _target_class(node: Any) -> type | None:
     except Exception:
         return None
     return found if isinstance(found, type) else None
+
+
+def _check_image_budget(data: Any) -> None:
+    """The pixel budget's settings, and the synthetic kinds it must not rescale, refused before the model
+    loads (the DataModule checks them too, but the synthetic rows only in ``setup``, inside fit)."""
+    from lightning_vlm.data.image_budget import ImageBudget
+    from lightning_vlm.data.sources import check_synthetic_budget
+    from lightning_vlm.data.synthetic import SYNTHETIC_OPTIONS
+
+    budget = ImageBudget(data.get("image_max_pixels"), data.get("image_min_pixels"))
+    specs = [data.get("train"), data.get("val")]
+    if any(s == "synthetic" or (isinstance(s, Mapping) and s.get("path") == "synthetic") for s in specs):
+        synthetic = {**SYNTHETIC_OPTIONS, **(data.get("synthetic") or {})}
+        check_synthetic_budget(synthetic["kinds"], synthetic["image_size"], budget)
 
 
 def _check_data_shape(method: Any, data: Any) -> bool:

@@ -253,3 +253,14 @@ def test_synthetic_answers_in_pixels_are_not_scaled_away(kinds, image_size):
     # a budget the images already fit, and kinds answered in words, are left alone
     PromptDataModule(synthetic=synthetic, image_max_pixels=image_size * image_size).setup()
     PromptDataModule(synthetic={"kinds": ["color"]}, image_max_pixels=1000).setup()
+
+
+def test_train_py_refuses_such_budgets_before_the_model_loads():
+    from lightning_vlm.settings_check import check_settings
+
+    with pytest.raises(ValueError, match=r"synthetic \['grounding'\] images \(56x56 -> 31x31\)"):
+        check_settings(compose_train(["experiment=grpo_grounding", "data.image_max_pixels=1000"]))
+    with pytest.raises(ValueError, match=r"data\.image_max_pixels must be a whole number > 0"):
+        check_settings(compose_train(["data.image_max_pixels=0"]))
+    check_settings(compose_train(["experiment=grpo_grounding", "data.image_max_pixels=3136"]))  # 56x56 fits
+    check_settings(compose_train(["data.image_max_pixels=1000"]))  # colour answers are words

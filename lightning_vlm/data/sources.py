@@ -199,14 +199,18 @@ def _from_hub(name: str, subset: str | None, split: str) -> Source:
 def check_pixel_answers(source: Source, budget: ImageBudget) -> None:
     """Refuse a budget that resizes synthetic rows whose answers are in the image's pixels: their answers
     (and the rewards scoring them) would no longer match the image the model sees."""
-    rows = source.rows
-    if not isinstance(rows, SyntheticRows) or not (kinds := set(rows.kinds) & set(PIXEL_ANSWER_KINDS)):
-        return
-    size = rows.image_size
-    if (scaled := budget.size_for(size, size)) != (size, size):
+    if isinstance(source.rows, SyntheticRows):
+        check_synthetic_budget(source.rows.kinds, source.rows.image_size, budget)
+
+
+def check_synthetic_budget(kinds: Sequence[str], image_size: int, budget: ImageBudget) -> None:
+    """``check_pixel_answers`` for the synthetic task's ``kinds`` and ``image_size`` settings (train.py checks
+    them before the model loads)."""
+    pixel_kinds = sorted(set(kinds) & set(PIXEL_ANSWER_KINDS))
+    if pixel_kinds and (scaled := budget.size_for(image_size, image_size)) != (image_size, image_size):
         raise ValueError(
-            f"data.image_max_pixels / data.image_min_pixels would scale the synthetic {sorted(kinds)} images "
-            f"({size}x{size} -> {scaled[0]}x{scaled[1]}), whose answers are in their pixels: set "
+            f"data.image_max_pixels / data.image_min_pixels would scale the synthetic {pixel_kinds} images "
+            f"({image_size}x{image_size} -> {scaled[0]}x{scaled[1]}), whose answers are in their pixels: set "
             "data.synthetic.image_size instead, or leave the budget off"
         )
 
