@@ -219,9 +219,9 @@ def _image_budget(datamodule: object) -> str | None:
 
     if not isinstance(datamodule, VLMDataModule):
         return None
-    hp = datamodule.hparams
-    bounds = [f"at {side} {hp[key]} pixels" for side, key in (("most", "image_max_pixels"),
-              ("least", "image_min_pixels")) if hp.get(key) is not None]  # fmt: skip
+    budget = datamodule.row_format.image_budget  # the one the rows were decoded with
+    bounds = [f"at {side} {pixels} pixels" for side, pixels in (("most", budget.max_pixels),
+              ("least", budget.min_pixels)) if pixels is not None]  # fmt: skip
     if not bounds:
         return None
     return (
