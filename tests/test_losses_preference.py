@@ -322,6 +322,17 @@ def test_running_mean_keeps_moving_when_the_module_is_cast_to_bfloat16():
     assert running.mean.dtype == torch.float32 and running().item() == pytest.approx(1.5, abs=1e-5)
 
 
+def test_running_mean_keeps_its_float32_digits_through_a_cast_after_a_restore():
+    # Lightning restores a checkpoint before the strategy casts the module ("bf16-true"): a resumed δ of
+    # 0.123456789 came back as bfloat16's 0.12353515625, a silent change to the bco_pair loss.
+    running = RunningMean()
+    running.update(torch.tensor([0.123456789]))
+    restored = RunningMean()
+    restored.load_state_dict(running.state_dict())
+    restored.to(torch.bfloat16)
+    assert restored.mean.dtype == torch.float32 and restored().item() == running().item()
+
+
 def test_running_mean_feeds_bco_delta():
     running = RunningMean()
     inp = make_inputs()

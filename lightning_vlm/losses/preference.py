@@ -160,10 +160,11 @@ class RunningMean(nn.Module):
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> RunningMean:
         # A cast of the whole module (Lightning "bf16-true", DeepSpeed's bf16) must not reach δ: in
         # bfloat16 an update falls under half an ulp once the count is large, and δ stops moving.
-        # Device moves still apply.
+        # Device moves still apply. The float32 value is kept and only moved: casting the cast buffer back
+        # would restore its dtype, not the digits bfloat16 rounded away (a resume casts after the restore).
+        mean = self.mean
         super()._apply(fn, recurse)
-        if self.mean.dtype != torch.float32:
-            self.mean = self.mean.float()
+        self.mean = mean.to(device=self.mean.device, dtype=torch.float32)
         return self
 
     def forward(self) -> Tensor:
