@@ -95,6 +95,11 @@ def _sampled(vlm, generator) -> dict:
     ]
     out["sampled_logprob_max_diff"] = max(diffs)
     out["seeded"] = _seeded_draws(generator, rows)
+    from lightning_vlm.generation.hf import HFGenerator
+
+    # Greedy groups: vLLM refuses n > 1 with greedy, so one answer per prompt is decoded and repeated.
+    out["greedy_groups"] = {g.__class__.__name__: g.generate(rows, 3, _greedy()).completion_ids
+                            for g in (generator, HFGenerator(vlm))}  # fmt: skip
     return out
 
 

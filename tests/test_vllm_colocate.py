@@ -100,6 +100,12 @@ def test_sampling_groups_suppresses_vision_tokens_and_stops_at_end_of_turn(repor
     assert hot["extras"]["is_policy"] is False
 
 
+def test_greedy_groups_are_one_answer_repeated_as_in_hf(report):
+    groups = _section(report, "colocate", "qwen2_5_vl")["greedy_groups"]
+    assert groups["VLLMColocateGenerator"] == groups["HFGenerator"]
+    assert len(groups["HFGenerator"]) == 9 and all(ids for ids in groups["HFGenerator"])
+
+
 def test_sampled_logprobs_match_the_trainers_renormalised_logprobs(report):
     # Same weights: vLLM's processed log-probs == the trainer's token_logps(mask_suppressed=True).
     assert _section(report, "colocate", "qwen2_5_vl")["sampled_logprob_max_diff"] < 1e-3

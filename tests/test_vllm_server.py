@@ -22,6 +22,7 @@ from _chat_templates import SYSTEM_AS_IS
 from _server_probes import MAX_REQUEST_MB, CrashEngineAndRestart, Served
 from _vllm_scenarios import _compare, _greedy, _rows, _sampled, _train_step
 
+from lightning_vlm.generation.base import SamplingSettings
 from lightning_vlm.generation.vllm_server import VLLMServerGenerator
 from lightning_vlm.generation.vllm_server_client import VLLMServerClient, VLLMServerError
 from lightning_vlm.serving.process import free_port, stop_server
@@ -165,6 +166,8 @@ def test_generation_and_both_weight_transfers_match_hf(served, vlm):
     hot = _sampled(vlm, generator)  # sampled: grouping, end-of-turn, vLLM's log-probs vs the trainer's
     assert hot["hot"]["num_generations"] == 4 and len(hot["hot"]["ids"]) == 4 * 3
     assert hot["sampled_logprob_max_diff"] < 1e-3
+    groups = hot["greedy_groups"]  # one greedy answer per prompt (n=1 on the server), repeated
+    assert groups["VLLMServerGenerator"] == groups["HFGenerator"] and len(groups["HFGenerator"]) == 9
     generator.close()
 
 
@@ -316,7 +319,8 @@ def test_grpo_on_its_own_server_keeps_hf_parity_through_a_crash_and_restart(tmp_
 
 def test_vllms_own_entry_point_in_dev_mode_serves_and_takes_weights(vlm, model_dir, tmp_path):
     """A plain vLLM server (no plugin): weights go through vLLM's dev ``/collective_rpc``; a prompt it
-    would render unlike the policy (a system turn, printed by this template as a list) is refused."""
+    would render unlike the policy (a system turn, printed by this template as a list) is refused. Started
+    as a user would, without ``--logprobs-mode``: its raw log-probs are refused before any sampling."""
     import os
 
     port = free_port()
@@ -325,7 +329,7 @@ def test_vllms_own_entry_point_in_dev_mode_serves_and_takes_weights(vlm, model_d
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
            "--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "1024",
-           "--limit-mm-per-prompt", '{"image": 1, "video": 0}', "--logprobs-mode", "processed_logprobs"]  # fmt: skip
+           "--limit-mm-per-prompt", '{"image": 1, "video": 0}']  # fmt: skip
     log = tmp_path / "vllm.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -340,8 +344,12 @@ def test_vllms_own_entry_point_in_dev_mode_serves_and_takes_weights(vlm, model_d
         _train_step(vlm)
         generator.sync_weights(version="dev-1")
         after = _compare(vlm, generator)
-        assert after["vllm"] == after["hf"] and after["logprob_max_diff"] < 1e-3
+        assert after["vllm"] == after["hf"]  # greedy ids (its raw log-probs leave out the suppression bias)
         assert client.weight_version() == "dev-1"
+        with pytest.raises(
+            VLLMServerError, match="returns raw log-probs .* --logprobs-mode processed_logprobs"
+        ):
+            generator.generate(_rows(1), 2, SamplingSettings(max_new_tokens=4, temperature=0.7))
         with pytest.raises(VLLMServerError, match="renders a prompt with a system turn unlike the policy"):
             generator.generate(_with_system(_rows(1)), 1, _greedy())
         with pytest.raises(VLLMServerError, match="weight_transfer=body needs lightning_vlm's plugin"):

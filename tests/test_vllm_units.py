@@ -33,6 +33,28 @@ def test_sampling_kwargs_match_hf_behaviour():
         sampling_kwargs(SamplingSettings(), 0, 9, [])
 
 
+def test_greedy_groups_decode_once_and_repeat_as_hf_does():
+    # vLLM refuses n > 1 with greedy ("n must be 1 when using greedy sampling"); HF decodes once and repeats.
+    greedy = SamplingSettings(do_sample=False, max_new_tokens=4)
+    assert (
+        sampling_kwargs(greedy, 3, 9, [])["n"] == 1
+        and sampling_kwargs(SamplingSettings(), 3, 9, [])["n"] == 3
+    )
+    rows = [{"prompt": "a"}, {"prompt": "b"}]
+    r = build_rollouts(
+        rows, 3, [[1, 9], [2, 9]], [[-0.1, -0.2], [-0.3, -0.4]], 9, _Tok(), "test", greedy=True
+    )
+    assert (
+        r.completion_ids == [[1, 9]] * 3 + [[2, 9]] * 3
+        and r.logprobs == [[-0.1, -0.2]] * 3 + [[-0.3, -0.4]] * 3
+    )
+
+
+def test_repetition_penalty_none_is_off_for_vllm_as_for_hf():
+    # The engine raised a TypeError on None, and a server would fill in the checkpoint's penalty.
+    assert sampling_kwargs(SamplingSettings(repetition_penalty=None), 1, 9, [])["repetition_penalty"] == 1.0
+
+
 def test_request_seeds_follow_the_step_seed_and_the_row():
     from lightning_vlm.generation.vllm_sampling import request_seeds
 

@@ -188,7 +188,7 @@ class VLLMColocateGenerator:
         ids, logprobs = completions_of(outputs)
         return build_rollouts(
             rows, num_generations, ids, logprobs, vlm.end_of_turn_id, vlm.tokenizer, "vllm_colocate",
-            sampling.max_new_tokens,
+            sampling.max_new_tokens, sampling.greedy,
         )  # fmt: skip
 
     # ---- weights and memory ------------------------------------------------------------------------

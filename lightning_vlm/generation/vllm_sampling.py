@@ -32,14 +32,17 @@ def sampling_kwargs(
     if sampling.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
     kwargs: dict[str, Any] = {
-        "n": n,
+        # vLLM refuses n > 1 with greedy decoding: one answer per prompt, repeated by build_rollouts (HF
+        # decodes once and repeats too).
+        "n": 1 if sampling.greedy else n,
         "max_tokens": sampling.max_new_tokens,
         # Stop at end-of-turn only, as HF does with eos_token_id=[end_of_turn_id]: vLLM would also
         # stop at the checkpoint's eos/generation_config ids unless told to ignore them.
         "ignore_eos": True,
         "stop_token_ids": [int(end_of_turn_id)],
         "logit_bias": {int(t): SUPPRESS_BIAS for t in suppressed_token_ids} or None,
-        "repetition_penalty": sampling.repetition_penalty,
+        # None is "off" to HF; vLLM's engine refuses it and its server would fill in the checkpoint's value.
+        "repetition_penalty": 1.0 if sampling.repetition_penalty is None else sampling.repetition_penalty,
         # The chosen token's log-prob only (0 extra top tokens).
         "logprobs": 0,
         "skip_special_tokens": True,
@@ -93,13 +96,20 @@ def build_rollouts(
     tokenizer: Any,
     sampler: str,
     max_new_tokens: int | None = None,
+    greedy: bool = False,
 ) -> Rollouts:
     """Rollouts as ``HFGenerator`` returns them, cut after end-of-turn, flagged as not the policy.
+
+    ``greedy``: the engine decoded one answer per prompt (``sampling_kwargs``), repeated here
+    ``num_generations`` times.
 
     A completion without end-of-turn shorter than ``max_new_tokens`` was stopped by the engine's
     ``max_model_len`` (prompt + completion): vLLM ends it there silently, where HF would go on. That is
     refused, naming the settings: the rollout would look like an answer cut by the length budget.
     """
+    if greedy and len(ids) == len(rows):
+        ids = [x for x in ids for _ in range(num_generations)]
+        logprobs = [x for x in logprobs for _ in range(num_generations)]
     expected = len(rows) * num_generations
     if len(ids) != expected:
         raise RuntimeError(f"{sampler} returned {len(ids)} completions, expected {expected}")

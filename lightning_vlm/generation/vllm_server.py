@@ -22,6 +22,7 @@ from typing import Any
 import requests
 
 from lightning_vlm.generation.base import Rollouts, SamplingSettings
+from lightning_vlm.generation.logprobs_probe import raw_logprobs_message, returns_processed_logprobs
 from lightning_vlm.generation.vllm_sampling import build_rollouts, request_seeds, sampling_kwargs
 from lightning_vlm.generation.vllm_server_client import VLLMServerClient, VLLMServerError
 from lightning_vlm.generation.weight_sync import (
@@ -36,6 +37,8 @@ from lightning_vlm.models.family_rules import image_token_id
 log = logging.getLogger(__name__)
 TRANSFERS = ("folder", "body")
 MAX_SAMPLING_ATTEMPTS = 3  # generations of one batch redone after a reconnect, before giving up
+# The text-only prompt the server's rendering and log-probs are probed with.
+PROBE_MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "What colour is the shape?"}]}]
 
 
 def image_url(image: Any) -> str:
@@ -122,12 +125,13 @@ class VLLMServerGenerator:
         self.resyncs = 0
         self._rendering_checked: set[bool] = set()  # prompt shapes (with a system turn or not) checked
         self._images_checked = False  # image tokens per image compared with the policy's, once
+        self._logprobs_checked = False  # the server's log-probs mode, probed at the first sampled generation
 
     def _check_rendering(self, system: bool) -> None:
         """Refuse a server whose chat template renders a prompt unlike the policy's: its completions would
         answer another prompt than the one trained on. One probe per shape (a system turn or not), text
         only; the server returns the token ids it rendered (``return_token_ids``)."""
-        messages = [{"role": "user", "content": [{"type": "text", "text": "What colour is the shape?"}]}]
+        messages = list(PROBE_MESSAGES)
         if system:
             messages.insert(
                 0, {"role": "system", "content": [{"type": "text", "text": "Answer in one word."}]}
@@ -186,6 +190,10 @@ class VLLMServerGenerator:
         )
         for system in sorted({_has_system(r["prompt"]) for r in rows} - self._rendering_checked):
             self._check_rendering(system)
+        if not sampling.greedy and not self._logprobs_checked:  # greedy answers' log-probs feed nothing
+            if not returns_processed_logprobs(self.client, PROBE_MESSAGES, adds_bos(vlm.processor)):
+                raise VLLMServerError(raw_logprobs_message(self.client.url))
+            self._logprobs_checked = True
         seeds = request_seeds(self.seed, len(rows), num_generations)
         bodies = [
             {**params, "messages": openai_messages(r["prompt"], r.get("images", [])),
@@ -213,7 +221,7 @@ class VLLMServerGenerator:
                     [float(t["logprob"]) for t in (choice.get("logprobs") or {}).get("content") or []]
                 )
         rollouts = build_rollouts(rows, num_generations, ids, logprobs, vlm.end_of_turn_id, vlm.tokenizer,
-                                  "vllm_server", sampling.max_new_tokens)  # fmt: skip
+                                  "vllm_server", sampling.max_new_tokens, sampling.greedy)  # fmt: skip
         rollouts.extras["weight_version"] = version  # the weights these were sampled with
         return rollouts
 
