@@ -77,6 +77,7 @@ def check_settings(cfg: DictConfig) -> None:
         _check_vllm_correction(method, cfg.get("callbacks") or {})
         _warn_unread_correction(method, cfg.get("callbacks") or {})
         _check_vllm_temperature(method, cfg.get("callbacks") or {})
+        _warn_vllm_min_p_order(method, cfg.get("callbacks") or {})
 
 
 def _target_class(node: Any) -> type | None:
@@ -336,6 +337,19 @@ def _check_vllm_temperature(method: Any, callbacks: Any) -> None:
             f"method.sampling.temperature={temperature} with generation by vLLM, which samples at 0.01 for any "
             "temperature below it, while the trainer's log-probs divide by the one set; use a temperature >= 0.01"
         )
+
+
+def _warn_vllm_min_p_order(method: Any, callbacks: Any) -> None:
+    """vLLM applies min_p before top_p, HF ``generate`` after it. The two do not commute (top_p keeps a share
+    of what is left), so together they keep other tokens, and the two samplers draw other completions."""
+    sampling = method.get("sampling") or {}
+    top_p, min_p = sampling.get("top_p", 1.0), sampling.get("min_p", 0.0)
+    if not (callbacks.get("vllm_generation") and sampling.get("do_sample", True)):
+        return
+    if _number(top_p) and _number(min_p) and top_p < 1 and min_p > 0:
+        log.warning("method.sampling.top_p=%s with min_p=%s: vLLM applies min_p first and HF generate applies it "
+                    "after top_p, so they keep other tokens; keep one of the two for the same sampling on both",
+                    top_p, min_p)  # fmt: skip
 
 
 def _rounds_only(value: Any) -> Any:

@@ -316,3 +316,20 @@ def test_a_head_trained_apart_from_tied_embeddings_is_refused_before_vllm_starts
         return
     with pytest.raises(ValueError, match=rf"gemma3 ties .* trains {re.escape(refused)} apart"):
         VLLMColocateGenerator(vlm)  # raises before the engine is built
+
+
+def test_min_p_with_top_p_under_vllm_is_named(tmp_path, caplog):
+    # vLLM applies min_p before top_p, HF after: p = [.5, .25, .15, .1], top_p .8, min_p .25 keeps 3 tokens
+    # in HF and 2 in vLLM. A run without the correction (Online DPO) would sample otherwise, silently.
+    import logging
+
+    from helpers import compose_train
+    from lightning_vlm.settings_check import check_settings
+
+    both = ["method=online_dpo", "logger=none", "callbacks=none", "++tiny_start=random", "method.sampling.top_p=0.9",
+            "method.sampling.min_p=0.1"]  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
+        check_settings(compose_train(both, tmp_path))  # HF generate: nothing to compare with
+        assert "vLLM applies min_p first" not in caplog.text
+        check_settings(compose_train([*both, "generation=vllm_colocate"], tmp_path))
+    assert "method.sampling.top_p=0.9 with min_p=0.1: vLLM applies min_p first" in caplog.text
