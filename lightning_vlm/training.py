@@ -30,6 +30,7 @@ from lightning_vlm.callbacks.run_identity import (
     check_time_budget,
     warn_changed_settings,
     warn_unapplied_optimizer,
+    warn_unapplied_scheduler,
 )
 from lightning_vlm.callbacks.run_report import RunReport, finish_reports
 from lightning_vlm.callbacks.same_config import SameConfig
@@ -260,6 +261,7 @@ def _fit(
     check_run_identity(ckpt_path, entries, module, cfg.model.model_name_or_path)
     optimizer = OmegaConf.to_container(cfg.method.get("optimizer") or {}, resolve=True)
     warn_unapplied_optimizer(ckpt_path, entries, optimizer)
+    warn_unapplied_scheduler(ckpt_path, entries, module)
     check_time_budget(ckpt_path, entries, trainer)
     warn_changed_settings(ckpt_path, entries, module.hparams)
     warn_changed_budget(ckpt_path, entries.get("datamodule_hyper_parameters"), datamodule.hparams)

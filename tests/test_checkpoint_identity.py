@@ -124,6 +124,29 @@ def test_an_optimizer_setting_a_resume_cannot_apply_is_named(dpo_ckpt, tmp_path,
     assert not [r for r in caplog.records if "not applied" in r.getMessage()]
 
 
+def test_a_schedule_a_resume_cannot_apply_is_named(dpo_ckpt, tmp_path, caplog):
+    # Lightning restores the scheduler's whole state, its length too: a finished run resumed with a larger
+    # max_steps stayed at the end of its old LinearLR decay (lr 0) and trained nothing, silently
+    root, _ = dpo_ckpt
+    decay = [
+        "method.scheduler={_target_:torch.optim.lr_scheduler.LinearLR,_partial_:true,start_factor:1.0,"
+        "end_factor:0.0,total_iters:${trainer.max_steps}}"
+    ]
+    train(compose_train([*RUN, "method=sft", *decay], root / "sft_decay"))
+    resume = [*RUN, "method=sft", *decay, f"ckpt_path={root / 'sft_decay' / 'checkpoints' / 'last.ckpt'}"]
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm"):
+        _, out = train(compose_train([*resume, "trainer.max_steps=3"], tmp_path / "a"))
+    (warning,) = [
+        r.getMessage() for r in caplog.records if "scheduler settings are not applied" in r.getMessage()
+    ]
+    assert "total_iters=3 (checkpoint: 1)" in warning and "last learning rate: 0)" in warning, warning
+    assert out["trainer"].optimizers[0].param_groups[0]["lr"] == 0.0  # as the warning says
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_vlm"):  # the same schedule: nothing to say
+        train(compose_train([*resume, "trainer.max_steps=1"], tmp_path / "b"))
+    assert not [r for r in caplog.records if "not applied" in r.getMessage()]
+
+
 def test_method_settings_changed_since_the_checkpoint_are_named(dpo_ckpt, tmp_path, caplog):
     # method.beta or loss_type changed on a resume applied from the resumed step on, without a word: the
     # run's results were those of neither setting.

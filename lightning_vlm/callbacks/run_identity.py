@@ -117,6 +117,61 @@ def warn_unapplied_optimizer(
         )
 
 
+@runtime_checkable
+class FactoryBuilt(Protocol):
+    """A method whose optimizer and scheduler come from Hydra ``_partial_`` factories (every method here)."""
+
+    optimizer_factory: Any
+    scheduler_factory: Any
+
+
+# A scheduler's progress, restored as it should be; everything else in its state is a setting.
+_SCHEDULE_PROGRESS = {"last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial",
+                      "best", "num_bad_epochs", "cooldown_counter"}  # fmt: skip
+
+
+def _schedule_settings(state: Any) -> Any:
+    """A scheduler's ``state_dict`` without its progress (nested schedulers' too: SequentialLR's)."""
+    if isinstance(state, Mapping):
+        return {k: _schedule_settings(v) for k, v in state.items() if k not in _SCHEDULE_PROGRESS}
+    if isinstance(state, list | tuple):
+        return [_schedule_settings(v) for v in state]
+    return state
+
+
+def warn_unapplied_scheduler(ckpt_path: str | None, entries: Mapping[str, Any], module: Any) -> None:
+    """Warns, naming them, of ``method.scheduler`` settings (and through its ``base_lrs``, the optimizer's lr)
+    that differ from those ``ckpt_path``'s scheduler was built with: Lightning restores a scheduler's whole
+    state, its length too (LinearLR's ``total_iters``, CosineAnnealingLR's ``T_max``), so a run resumed with
+    a larger ``trainer.max_steps`` follows the old schedule, and past its end trains at its last lr (0 after a
+    decay to 0). The configured scheduler is built on a one-parameter optimizer to compare."""
+    stored = entries.get("lr_schedulers") or []
+    if not stored or not isinstance(module, FactoryBuilt) or module.scheduler_factory is None:
+        return
+    import torch
+
+    try:
+        probe = module.optimizer_factory(params=[torch.nn.Parameter(torch.zeros(1))])
+        fresh = _schedule_settings(module.scheduler_factory(optimizer=probe).state_dict())
+    except Exception as exc:  # an optimizer that needs real parameters (a GPU one): nothing to compare
+        log.debug("could not build method.scheduler to compare with the checkpoint's: %s", exc)
+        return
+    theirs = _schedule_settings(stored[0])
+    differ = {
+        k: (v, theirs[k]) for k, v in fresh.items() if k in theirs and _as_json(v) != _as_json(theirs[k])
+    }
+    if differ:
+        log.warning(
+            "ckpt_path=%r restores its lr scheduler's state, so these scheduler settings are not applied: %s "
+            "(last learning rate: %s). The resumed run follows the checkpoint's schedule; to start a new "
+            "schedule from its weights, export them (callbacks=[default,export]) and pass "
+            "model.model_name_or_path=<that folder>.",
+            ckpt_path,
+            ", ".join(f"{k}={ours!r} (checkpoint: {old!r})" for k, (ours, old) in differ.items()),
+            ", ".join(f"{lr:g}" for lr in stored[0].get("_last_lr") or []) or "unknown",
+        )
+
+
 def check_time_budget(ckpt_path: str | None, entries: Mapping[str, Any], trainer: L.Trainer) -> None:
     """Refuses a resume whose ``trainer.max_time`` the checkpoint has already used up: Lightning's Timer counts
     the training time across resumes, so the run stopped at once and exited 0, having trained nothing (a
