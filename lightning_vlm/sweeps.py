@@ -80,13 +80,18 @@ class SweepSummary(Callback):
         failed = job_return.status == JobStatus.FAILED
         # JobReturn.return_value re-raises a failed job's exception; the stored value is what to report
         value = None if failed else job_return.return_value
+        value = float(value) if isinstance(value, (int, float)) else None
+        # A diverged job's NaN (or inf) is no value to rank: kept as text, so summary.json stays strict JSON
+        # and summary.md lists the job after those with a value.
+        reported = None if value is None or math.isfinite(value) else str(value)
         self.jobs.append({
             "job": config.hydra.job.get("num"),
             "overrides": list(job_return.overrides or []),
             # per job: a sweep across methods optimises each method's own metric
             "metric": self.metric,
             "mode": self.mode,
-            "value": float(value) if isinstance(value, (int, float)) else None,
+            "value": None if reported else value,
+            "value_reported": reported,
             "status": "failed" if failed else "completed",
             "error": repr(job_return._return_value) if failed else None,
             "dir": str(config.hydra.runtime.output_dir),
@@ -106,7 +111,7 @@ class SweepSummary(Callback):
             summary = {"metric": self.metric if one else None, "mode": self.mode if one else None,
                        "best": next(iter(bests.values())) if one else None, "best_per_metric": bests,
                        "jobs": self.jobs}  # fmt: skip
-            (out / f"{self.filename}.json").write_text(json.dumps(summary, indent=2))
+            (out / f"{self.filename}.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
             (out / f"{self.filename}.md").write_text(render_markdown(summary))
         return out, bests
 
@@ -137,7 +142,7 @@ def render_markdown(summary: dict[str, Any]) -> str:
     lines = [f"# Sweep: {title}", "", "| job | metric | value | status | overrides |",
              "| --- | --- | --- | --- | --- |"]  # fmt: skip
     for j in sorted(summary["jobs"], key=order):
-        value = "" if j["value"] is None else f"{j['value']:.4f}"
+        value = (j.get("value_reported") or "") if j["value"] is None else f"{j['value']:.4f}"
         lines.append(
             f"| {j['job']} | {j['metric']} | {value} | {j['status']} | `{' '.join(j['overrides'])}` |"
         )

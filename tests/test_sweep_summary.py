@@ -31,8 +31,8 @@ def test_a_sweep_across_metrics_names_a_best_per_metric_not_one_over_all():
     assert best_per_metric([_job(0, "val/reward", None)]) == {"val/reward": None}
 
 
-def _summary_of_two_losses(cfg, folder) -> dict:
-    """summary.json of a sweep (``cfg``: its composed config) whose two jobs returned losses 2.0 and 0.5."""
+def _summary_of_two_losses(cfg, folder, losses=(2.0, 0.5)) -> dict:
+    """summary.json of a sweep (``cfg``: its composed config) whose jobs returned ``losses`` (2.0 and 0.5)."""
     from hydra.core.utils import JobReturn, JobStatus
     from omegaconf import OmegaConf
 
@@ -41,12 +41,16 @@ def _summary_of_two_losses(cfg, folder) -> dict:
     cfg = OmegaConf.create(OmegaConf.to_container(cfg))
     summary = SweepSummary()
     summary.on_multirun_start(cfg)
-    for num, loss in enumerate([2.0, 0.5]):
+    for num, loss in enumerate(losses):
         cfg.hydra.job.num, cfg.hydra.runtime.output_dir = num, str(folder / str(num))
         summary.on_job_end(
             cfg, JobReturn(overrides=[f"t={num}"], status=JobStatus.COMPLETED, _return_value=loss)
         )
-    return json.loads((folder / "summary.json").read_text())
+    return json.loads((folder / "summary.json").read_text(), parse_constant=_not_json)
+
+
+def _not_json(constant: str):
+    raise ValueError(f"summary.json holds {constant}, which strict JSON readers (jq, JavaScript) refuse")
 
 
 def test_the_sweepers_direction_ranks_the_trials(tmp_path):
@@ -76,3 +80,29 @@ def test_the_basic_sweeper_ranks_by_optimized_mode(tmp_path):
     assert cfg.monitor_mode == "max"  # the checkpoints still keep the best answer accuracy
     written = _summary_of_two_losses(cfg, tmp_path)
     assert written["mode"] == "min" and written["best"]["value"] == 0.5
+
+
+def test_a_diverged_job_is_reported_last_and_the_summary_stays_json(tmp_path):
+    # A NaN val/loss sorted anywhere in summary.md (-(nan) compares false) and went into summary.json as a
+    # bare NaN, which jq refuses.
+    from helpers import compose_train
+
+    overrides = [
+        "optimized_metric=val/loss",
+        "optimized_mode=min",
+        "hydra.mode=MULTIRUN",
+        f"hydra.sweep.dir={tmp_path}",
+    ]
+    written = _summary_of_two_losses(
+        compose_train(overrides), tmp_path, (2.0, float("nan"), 0.5, float("inf"))
+    )
+    assert written["best"]["value"] == 0.5
+    assert [(j["value"], j["value_reported"]) for j in written["jobs"]] == [(2.0, None), (None, "nan"), (0.5, None),
+                                                                            (None, "inf")]  # fmt: skip
+    rows = (tmp_path / "summary.md").read_text().splitlines()[4:]
+    assert [(r.split("|")[1].strip(), r.split("|")[3].strip()) for r in rows] == [
+        ("2", "0.5000"),
+        ("0", "2.0000"),
+        ("1", "nan"),
+        ("3", "inf"),
+    ]
