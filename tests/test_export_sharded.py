@@ -25,6 +25,15 @@ def _weights(folder) -> dict[str, torch.Tensor]:
     return load_file(files[0])
 
 
+def _readable_as_the_umask_allows(folder) -> None:
+    # safetensors 0.8 writes owner-only files (0600): a teammate, or a vLLM server run as another user,
+    # could read the exported folder's config but not its weights.
+    from lightning_vlm.models.weight_names import _umask
+
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in folder.glob("*.safetensors")}
+    assert modes and set(modes.values()) == {oct(0o666 & ~_umask())}, modes
+
+
 # Families whose tower names are rewritten for vLLM after saving (weight_names.save_for_hf_and_vllm).
 RENAMED = [f for f in TINY_FAMILIES if family_of(f).vllm_vision_model_prefix]
 
@@ -42,6 +51,8 @@ def test_a_model_over_max_shard_size_is_written_in_the_same_shards_both_ways(fam
     index = "model.safetensors.index.json"
     whole, parts = (json.loads((tmp_path / f / index).read_text()) for f in ("whole", "parts"))
     assert whole == parts and len(set(whole["weight_map"].values())) > 1
+    _readable_as_the_umask_allows(tmp_path / "whole")
+    _readable_as_the_umask_allows(tmp_path / "parts")
     for shard in sorted(set(whole["weight_map"].values())):
         a, b = load_file(tmp_path / "whole" / shard), load_file(tmp_path / "parts" / shard)
         assert a.keys() == b.keys() == {k for k, v in whole["weight_map"].items() if v == shard}
@@ -63,6 +74,7 @@ def test_a_lora_adapter_of_a_renamed_family_saves(family, tiny_path, tmp_path):
     write_folder(vlm, tmp_path / "parts", [vlm.model.state_dict()], merge_lora=False)
     whole, parts = load_file(tmp_path / "whole" / "adapter_model.safetensors"), _weights(tmp_path / "parts")
     assert whole.keys() == parts.keys() and whole
+    _readable_as_the_umask_allows(tmp_path / "whole")
 
 
 @pytest.mark.parametrize(("family", "merge"), CASES, ids=[f"{f}-{m}" for f, m in CASES])

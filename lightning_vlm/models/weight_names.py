@@ -78,16 +78,46 @@ def save_for_hf_and_vllm(
     with an index, each shard renamed in place.
     """
     from peft import PeftModel
-    from safetensors.torch import load_file, save_file
 
     clear_model_files(out_dir)
     if isinstance(model, PeftModel):  # adapter_model.safetensors, never sharded
         model.save_pretrained(out_dir)
-        return
-    model.save_pretrained(out_dir, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
-    if not family_of(model.config).vllm_vision_model_prefix:
-        return
-    out = Path(out_dir)
+    else:
+        model.save_pretrained(
+            out_dir, **({} if max_shard_size is None else {"max_shard_size": max_shard_size})
+        )
+        if family_of(model.config).vllm_vision_model_prefix:
+            _rename_for_vllm(model, Path(out_dir))
+    share_weight_files(out_dir)
+
+
+def share_weight_files(out_dir: str | os.PathLike) -> None:
+    """Give the folder's safetensors files the permissions the umask gives any new file. safetensors 0.8
+    writes them owner-only (0600), so a teammate, or a vLLM server running as another user, could read the
+    config beside them but not the weights."""
+    mask = _umask()
+    for path in Path(out_dir).glob("*.safetensors"):
+        path.chmod(0o666 & ~mask)
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it where Linux tells it (setting it, even back, would let
+    another thread create a file under the wrong one in between)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def _rename_for_vllm(model: Any, out: Path) -> None:
+    """Rewrite the saved shards (and index) under the weight names vLLM loads (``hf_to_vllm_names``)."""
+    from safetensors.torch import load_file, save_file
+
     index_path = out / WEIGHTS_INDEX
     index = json.loads(index_path.read_text()) if index_path.exists() else None
     weight_map: dict[str, str] = {}
@@ -123,6 +153,7 @@ def write_safetensors(
             "weight_map": split.tensor_to_filename,
         }
         (out / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    share_weight_files(out)
 
 
 def default_max_shard_size() -> int | str:
