@@ -251,6 +251,10 @@ def _scalar(completions, **kwargs):
     return 1.0
 
 
+def _huge(completions, **kwargs):
+    return [1.0, -(10**5000)]  # an int past a float's range, and past int-to-text's 4300 digits
+
+
 @pytest.mark.parametrize(
     ("fn", "message"),
     [
@@ -259,6 +263,7 @@ def _scalar(completions, **kwargs):
         (_text, r"'_text' .* non-number for sample 0: str '1\.0' is not a number"),
         (_infinite, r"'_infinite' .* returned inf for sample 0"),
         (_scalar, r"'_scalar' .* returned float; expected a list"),
+        (_huge, r"'_huge' .* returned int too large for a float for sample 1, beyond float32's range"),
         (
             functools.partial(length_reward, max_length=4),
             r"'length_reward' \(lightning_vlm\.rewards\.builtin\.length_reward with max_length=4\) "
@@ -272,6 +277,8 @@ def test_errors_name_the_function(fn, message):
         scorer(["a", "b"], {"solution": ["a", "b"]})
     if fn is _failing:
         assert isinstance(info.value.__cause__, KeyError)
+    if fn is _huge:  # a raw OverflowError named no function
+        assert isinstance(info.value.__cause__, OverflowError)
 
 
 def test_scorer_rejects_misaligned_columns_and_bad_specs():

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from lightning_vlm.rewards.accuracy import answers_match, normalize
+from lightning_vlm.rewards.accuracy import answers_match, latex_numbers, normalize
+from lightning_vlm.rewards.answers import numeric_reward, parse_numbers
+from lightning_vlm.rewards.boxes import parse_box
+from lightning_vlm.rewards.choices import parse_choice
 
 
 @pytest.mark.parametrize(
@@ -119,3 +123,56 @@ def test_decimals_are_equal_only_up_to_float_rounding():
     assert not answers_match("0.1", "0.10000000149011612")  # written as text: taken as written
     for answer, solution in (("10000000.5", "10000000"), ("12345678.5", "12345679.5"), ("10000000.5", 1e7)):
         assert not answers_match(answer, solution), (answer, solution)
+
+
+def test_numeric_reward_takes_a_float32_columns_values_as_the_decimals_written():
+    # A float32 column (to_pylist of a parquet column) holds 0.10000000149011612 for 0.1: numeric_reward
+    # scored the exact answer 0.0 where accuracy_reward gave 1.0.
+    column = [float(np.float32(0.1)), float(np.float32(12.7)), float(np.float32(0.35))]
+    assert numeric_reward(["0.1", "12.7", "<answer>0.35</answer>"], column) == [1.0, 1.0, 1.0]
+    assert numeric_reward(["0.2", "12.8", "0.1 or 0.2"], [column[0], column[1], column[0]]) == [0.0, 0.0, 0.0]
+    assert numeric_reward(["0.1"], [[column[1], column[0]]]) == [1.0]  # a list of accepted answers
+    assert numeric_reward(["0.1"], ["0.10000000149011612"]) == [0.0]  # written as text: taken as written
+    assert numeric_reward(["0.1", "0.10000000149011612"], [0.1, column[0]]) == [1.0, 1.0]
+
+
+def test_latex_numbers_keep_reading_spaced_forms():
+    # Their whitespace is matched possessively (a fraction's parts stripped after), against runaway
+    # backtracking: every spaced form must still read as it did with the overlapping quantifiers.
+    assert latex_numbers(r"\frac{ 1 }{ 2 } and \dfrac {-3} { 4 }") == "1/2 and -3/4"
+    assert latex_numbers(r"\frac{1 2}{3}") == "1 2/3"
+    assert latex_numbers("2 ^ { 3 }, 2^ 3, 2^{3") == "8, 8, 2^{3"
+    assert latex_numbers(r"2 \times 10^{ 3 } or 2 x 10 ^ { -3 } ") == "2e3 or 2e-3 "
+    assert parse_numbers(r"\boxed{\frac{ 1 }{ 2 }}") == [0.5]
+
+
+# A completion that ran on in spaces up to the length limit. Whitespace quantifiers that could share a run
+# of spaces split it every way: 2000 spaces after "\frac{" took 7 s to score, 4000 took 47 s (cubic), and
+# the quadratic ones seconds at 10000, long enough to stall a DDP rank into the collective timeout.
+RUNAWAY = " " * 64_000
+
+
+# Reading is linear, milliseconds here; backtracking took minutes. No time is asserted (a loaded machine
+# would fail it for nothing): the timeout mark ends a regression rather than hanging the run.
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("read", "text", "expected"),
+    [
+        (parse_numbers, "Let me compute \\frac{" + RUNAWAY + "x", []),
+        (parse_numbers, "\\frac{1}{" + RUNAWAY + "x", [1.0]),
+        (parse_numbers, "2^" + RUNAWAY + "x", [2.0]),
+        (parse_numbers, "2 x 10^" + RUNAWAY, [2.0, 10.0]),
+        (normalize, "2^" + RUNAWAY + "x", "2 x"),
+        (normalize, "\\frac{" + RUNAWAY + "x", "frac x"),  # accuracy_reward's reading
+        (parse_choice, RUNAWAY + "B or C", None),
+        (parse_choice, "The answer" + RUNAWAY + ".", None),
+        (parse_box, "(1,2)" + RUNAWAY + "x", None),
+        # what follows the spaces is still read (these matched at the first try, quickly, before too)
+        (parse_numbers, "2 x 10^" + RUNAWAY + "{3}", [2000.0]),
+        (parse_choice, RUNAWAY + "B", "B"),
+        (parse_choice, "Answer:" + RUNAWAY + "b", "B"),
+        (parse_box, "(1,2)" + RUNAWAY + "(3,4)", (1.0, 2.0, 3.0, 4.0)),
+    ],
+)
+def test_runaway_whitespace_is_read_promptly(read, text, expected):
+    assert read(text) == expected

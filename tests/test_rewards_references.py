@@ -76,12 +76,32 @@ def test_a_zero_area_box_wholly_outside_the_range_is_no_box():
         ("B. blue, or (C)", None),  # a marked letter after it still hedges
         ("B. blue, the answer is C", None),
         ("E. see B", "B"),  # a leading letter outside the choices is no option
+        # after markdown and a cue too: these read C as a second option and scored 0
+        ("Answer: B. Vitamin C", "B"),
+        ("**B. Vitamin C**", "B"),
+        ("The answer is (B) Vitamin C", "B"),
+        ("**Answer:** B. Vitamin C", "B"),
+        ("## The correct option is: c) Grade A", "C"),
+        ("- choice = (B) Vitamin C", "B"),
+        ("Answer: B. blue, or (C)", None),  # still a hedge, as without the cue
+        ("The answer is B, not C.", None),
+        ("Answer: I think B. Vitamin C", None),  # no marker right after the cue: read as before
+        ("Options: B. Vitamin C", None),  # "Options" is no cue
+        # an echoed list in markdown is no answer, now that the first item's bullet is stripped
+        ("- A. red\n- B. green", None),
+        ("**A. red**\n**B. green**", None),
+        ("* A) red\n* B) green", None),
     ],
 )
 def test_an_answer_opening_with_an_option_marker_names_that_option(text, letter):
     from lightning_vlm.rewards.choices import parse_choice
 
     assert parse_choice(text, "ABCD") == letter
+
+
+def test_multiple_choice_reward_reads_the_option_after_a_cue_or_markdown():
+    answers = ["Answer: B. Vitamin C", "**B. Vitamin C**", "The answer is (B) Vitamin C", "B. Vitamin C"]
+    assert multiple_choice_reward(answers, ["B"] * 4, choices="ABCD") == [1.0] * 4
 
 
 def test_a_box_solution_stored_as_json_data_is_read():

@@ -26,12 +26,17 @@ NUMBER = re.compile(
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # LaTeX forms of a number (R1-style math answers): \frac{1}{2} (\dfrac, \tfrac) and 1.5 \times 10^{3}.
-_FRAC = re.compile(r"\\[dt]?frac\s*\{\s*([^{}]*?)\s*\}\s*\{\s*([^{}]*?)\s*\}")
+# Whitespace is matched possessively (\s*+): plain "\s*([^{}]*?)\s*" or "\s*\{?\s*" split a run of spaces
+# every way at each try, and 2000 spaces after "\frac{" took seconds to read (4000: 47 s), long enough to
+# stall a DDP rank into the collective timeout. A fraction's parts are stripped by _frac_value instead.
+_FRAC = re.compile(r"\\[dt]?frac\s*+\{([^{}]*+)\}\s*+\{([^{}]*+)\}")
 # A whole exponent only ("4^0.5" is no power read here), after a base that is not a name's or a list's.
 _POWER = re.compile(
-    r"(?<![A-Za-z0-9^_.,])(\d+(?:\.\d+)?)\s*\^\s*(\{)?\s*([-+\u2212]?\d+)(?![\d.])(?(2)\s*\})"
+    r"(?<![A-Za-z0-9^_.,])(\d+(?:\.\d+)?)\s*+\^\s*+(\{)?\s*+([-+\u2212]?\d+)(?![\d.])(?(2)\s*+\})"
 )
-_TIMES_TEN = re.compile(r"(\d)\s*(?:\\times|\\cdot|\u00d7|x|\*)\s*10\s*\^\s*\{?\s*([-+\u2212]?\d+)\s*\}?")
+_TIMES_TEN = re.compile(
+    r"(\d)\s*+(?:\\times|\\cdot|\u00d7|x|\*)\s*+10\s*+\^\s*+\{?\s*+([-+\u2212]?\d+)\s*+\}?"
+)
 
 
 def _last_boxed(text: str) -> str | None:
@@ -61,9 +66,13 @@ def latex_numbers(text: str) -> str:
     """``text`` with LaTeX numbers written plainly: "\\frac{1}{2}" as "1/2", "1.5 \\times 10^{3}" (or
     "1.5 x 10^3") as "1.5e3", a power of a number ("10^3", "2^{10}") as its value, so that :data:`NUMBER`
     reads them by value. A unit's exponent ("cm^2") is no power: its base is a letter."""
-    text = _FRAC.sub(r"\1/\2", text)
+    text = _FRAC.sub(_frac_value, text)
     text = _TIMES_TEN.sub(lambda m: f"{m.group(1)}e{m.group(2).replace(chr(0x2212), '-')}", text)
     return _POWER.sub(_power_value, text)
+
+
+def _frac_value(match: re.Match) -> str:
+    return f"{match.group(1).strip()}/{match.group(2).strip()}"  # "\\frac{ 1 }{ 2 }" is 1/2
 
 
 def _power_value(match: re.Match) -> str:
@@ -130,6 +139,17 @@ def _float32(value: float) -> float:
         return math.nan
 
 
+def float32_match(value: float, stored: Any) -> bool:
+    """Whether ``stored`` is a float32 column's value (a parquet column's 0.10000000149011612 for 0.1) and
+    ``value``, rounded to float32, is it: the decimal written, up to the column's rounding. A solution
+    written as text is taken as written, and an integer needs no rounding."""
+    return (
+        isinstance(stored, float)
+        and not stored.is_integer()
+        and _float32(stored) == stored == _float32(value)
+    )
+
+
 def is_answer_list(solution: Any) -> bool:
     """Whether ``solution`` is a list of accepted answers (VQA's "answers" column): any one is right."""
     return isinstance(solution, list | tuple) and all(isinstance(s, str) for s in solution)
@@ -156,15 +176,8 @@ def answers_match(completion: str, solution: Any) -> bool:
         if a_num.is_integer() and s_num.is_integer():  # counts, years, prices: 1000001 is not 1000000
             return a_num == s_num
         # Decimals: equal up to float rounding only, relative at every scale (1e-7 is not 9e-7, 999999.5
-        # not 1e6; a tolerance is numeric_reward's). A float32 column's value is the decimal written,
-        # rounded to float32 (a parquet column's 0.10000000149011612 is 0.1): the answer rounded so equals it.
-        if (
-            isinstance(stored, float)
-            and not stored.is_integer()
-            and _float32(stored) == stored == _float32(a_num)
-        ):
-            return True
-        return math.isclose(a_num, s_num, rel_tol=1e-9)
+        # not 1e6; a tolerance is numeric_reward's), or to a float32 column's rounding.
+        return float32_match(a_num, stored) or math.isclose(a_num, s_num, rel_tol=1e-9)
     a_choice, s_choice = _CHOICE.match(answer), _CHOICE.match(solution)
     if a_choice and s_choice:
         return a_choice.group(1).upper() == s_choice.group(1).upper()

@@ -17,6 +17,7 @@ from lightning_vlm.rewards.accuracy import (
     NUMBER,
     THOUSANDS,
     extract_answer,
+    float32_match,
     is_answer_list,
     latex_numbers,
     number_value,
@@ -207,10 +208,13 @@ def numeric_reward(
     if rel_tol < 0 or abs_tol < 0:
         raise ValueError(f"numeric_reward: tolerances must be >= 0; got rel_tol={rel_tol}, abs_tol={abs_tol}")
 
-    def score(text: str, ref: float) -> float:
+    def score(text: str, ref: tuple[float, Any]) -> float:
+        value, stored = ref
         values = parse_numbers(text)
         ok = bool(values) and all(
-            v is not None and abs(v - ref) <= max(rel_tol * abs(ref), abs_tol) for v in values
+            v is not None
+            and (abs(v - value) <= max(rel_tol * abs(value), abs_tol) or float32_match(v, stored))
+            for v in values
         )
         return 1.0 if ok else 0.0
 
@@ -219,6 +223,8 @@ def numeric_reward(
         completions,
         solution,
         kwargs,
-        lambda ref: _reference_number(ref, parse_number, "a number"),
+        # The solution as stored is kept: a float32 column's 0.10000000149011612 is the answer 0.1, as in
+        # answers_match, and only the stored float (not its text) says so.
+        lambda ref: (_reference_number(ref, parse_number, "a number"), ref),
         score,
     )

@@ -209,6 +209,13 @@ class RewardScorer:
                 reward = _as_reward(value)
             except TypeError as err:
                 raise RewardFunctionError(f"{where} returned a non-number for sample {i}: {err}") from err
+            except OverflowError as err:
+                # An int (or Fraction) past a float's range: 10**400. Not written out in the message: past
+                # 4300 digits, int-to-text raises ValueError.
+                raise RewardFunctionError(
+                    f"{where} returned {type(value).__name__} too large for a float for sample {i}, beyond "
+                    f"float32's range (±{FLOAT32_MAX:.3g}) that rewards are kept in; scale it down"
+                ) from err
             # NaN means "no reward" like None; infinities would poison the group statistics.
             if math.isinf(reward):
                 raise RewardFunctionError(f"{where} returned {reward} for sample {i}; rewards must be finite")
