@@ -54,6 +54,20 @@ def test_an_adapter_folder_loads_and_trains_as_the_merged_export(exports):
     assert adapter.full_model_path == adapter_chain(str(root / "adapter"))[0] != str(root / "adapter")
 
 
+@pytest.mark.parametrize("kept", [(), ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")])
+def test_a_bare_peft_adapter_folder_takes_its_processor_from_its_base(exports, tmp_path, kept):
+    # PEFT's own save_pretrained writes the adapter alone (a hub LoRA repo often adds the tokenizer only):
+    # the processor was loaded from the folder, and transformers' "Unrecognized processing class" or "Can't
+    # load image processor" said nothing of the base model that has one.
+    root, policy = exports
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors", *kept):
+        shutil.copy(root / "adapter" / name, bare / name)
+    vlm = VLM(str(bare))
+    torch.testing.assert_close(_logits(vlm.eval()), policy, atol=1e-5, rtol=1e-5)
+
+
 def test_a_new_lora_on_an_adapter_folder_adapts_the_loaded_policy(exports, tmp_path):
     root, policy = exports
     torch.manual_seed(1)

@@ -118,3 +118,18 @@ def test_remote_code_with_unresolvable_annotations_and_class_attributes():
     check_processor_settings(processor, {"size": {}, "shape_of_things": 1, "legacy_knob": 2})
     with pytest.raises(ValueError, match=r"\['max_pixels'\].*_ImageProcessor, takes: shape_of_things, size"):
         check_processor_settings(processor, {"max_pixels": 1})
+
+
+@pytest.mark.parametrize(
+    ("key", "setting"),
+    [("torch_dtype", "model.dtype"), ("dtype", "model.dtype"), ("attn_implementation", "model.attn_implementation"),
+     ("trust_remote_code", "model.trust_remote_code")],
+)  # fmt: skip
+def test_model_kwargs_that_the_models_own_settings_give_are_refused_naming_them(tiny_path, key, setting):
+    # TRL's torch_dtype in model.model_kwargs was dropped (the model loaded in float32, a deprecation warning
+    # aside); dtype or attn_implementation there was a TypeError ("got multiple values") naming no setting.
+    from lightning_vlm.models.vlm import VLM
+
+    value = {"torch_dtype": "bfloat16", "dtype": "bfloat16", "attn_implementation": "sdpa"}.get(key, True)
+    with pytest.raises(ValueError, match=re.escape(f"model.model_kwargs ['{key}']: set {setting}={value!r}")):
+        VLM(tiny_path(), model_kwargs={key: value})

@@ -100,3 +100,29 @@ def merge_adapters(
     # PEFT loads an adapter for inference and freezes every base weight; as from_pretrained leaves a
     # model, all are trainable again (the caller freezes what its settings say).
     return model.requires_grad_(True)
+
+
+# The files a processor with an image part loads from (transformers 5's processor_config.json nests the
+# image processor's settings; older exports write preprocessor_config.json beside the tokenizer's).
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def processor_source(
+    name_or_path: str, full_model: str, adapters: list[str], cache_dir: str | os.PathLike | None = None,
+    revision: str | None = None,
+) -> str:  # fmt: skip
+    """Where the processor loads from: ``name_or_path``, unless it is an adapter (``adapters`` is not empty)
+    holding no processor of its own, as PEFT's ``save_pretrained`` writes one (a hub LoRA repo often adds
+    the tokenizer only): then its base model ``full_model``, whose processor the adapter was trained with."""
+    from transformers.utils import cached_file
+
+    if not adapters:
+        return name_or_path
+    for name in PROCESSOR_FILES:
+        found = cached_file(
+            name_or_path, name, cache_dir=cache_dir, revision=revision,
+            _raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False,
+        )  # fmt: skip
+        if found is not None:
+            return name_or_path
+    return full_model

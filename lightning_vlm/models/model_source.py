@@ -83,3 +83,20 @@ def check_model_source(
             f"(HF_HUB_OFFLINE=1): it is not in the hub cache ({cache_dir or HF_HUB_CACHE}). Download it "
             f"first (`hf download {name_or_path}`), unset HF_HUB_OFFLINE, or point {setting} at a local folder."
         )
+
+
+# What VLM itself passes to from_pretrained, from its own settings: in model.model_kwargs they would be a
+# second value (a TypeError naming no setting) or, TRL's spelling torch_dtype, dropped with a deprecation
+# warning while the model loaded in model.dtype.
+SET_BY_MODEL = {"dtype": "model.dtype", "torch_dtype": "model.dtype", "attn_implementation": "model.attn_implementation",
+                "trust_remote_code": "model.trust_remote_code"}  # fmt: skip
+
+
+def check_model_kwargs(model_kwargs: Mapping[str, Any] | None) -> None:
+    """Refuse ``model.model_kwargs`` keys that the model's own settings give, naming the setting to use."""
+    taken = [k for k in model_kwargs or {} if k in SET_BY_MODEL]
+    if taken:
+        raise ValueError(
+            f"model.model_kwargs {taken}: set {', '.join(f'{SET_BY_MODEL[k]}={model_kwargs[k]!r}' for k in taken)} "
+            "instead (the model is loaded with those settings, which would override or clash with these)"
+        )

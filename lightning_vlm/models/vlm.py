@@ -14,13 +14,13 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from ..parallel.collectives import world_size
 from . import encoding, vision_every_rank
-from .adapter_folder import adapter_chain, merge_adapters
+from .adapter_folder import adapter_chain, merge_adapters, processor_source
 from .chat_render import generation_prompt
 from .families import family_of
 from .family_rules import check_one_row_per_image
 from .image_tokens import NUM_IMAGES_KEY, check_image_tokens
 from .logprobs import scatter_to_tokens, scored_positions, selective_logps, softcapped
-from .model_source import check_model_source, hub_location
+from .model_source import check_model_kwargs, check_model_source, hub_location
 from .processor_settings import check_loading_options, check_processor_settings
 from .special_tokens import end_of_turn_token, vision_special_ids
 from .vision_cache import ENCODED_KEY, IMAGE_GROUPS_KEY, encoded_images, shared_hidden_states
@@ -60,16 +60,7 @@ class VLM(torch.nn.Module):
         # A missing folder or an uncached hub id offline: say so, naming the setting.
         where = hub_location(model_kwargs)
         check_model_source(model_name_or_path, **where)
-        # The processor (tokenizer, chat template, image settings) from the same revision and cache.
-        check_loading_options(processor_kwargs)
-        self.processor = AutoProcessor.from_pretrained(
-            model_name_or_path, trust_remote_code=trust_remote_code, **where, **(processor_kwargs or {})
-        )
-        check_processor_settings(self.processor, processor_kwargs)  # before the weights load
-        check_one_row_per_image(self.processor)
-        self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
-        # Rewards get it (``generation_prompt``): a prefilled "<think>" is part of every completion's text.
-        self.generation_prompt = generation_prompt(self.processor)
+        check_model_kwargs(model_kwargs)
         # An adapter folder loads as its base model with the adapter merged in; vLLM, which needs a full
         # model on disk, loads that base, and the first weight sync brings the merged weights.
         self.full_model_path, adapters = adapter_chain(model_name_or_path, **where)
@@ -79,6 +70,21 @@ class VLM(torch.nn.Module):
             base_kwargs.pop("revision", None)
             check_model_source(self.full_model_path, f"base_model_name_or_path in {adapters[0]}",
                                **hub_location(base_kwargs))  # fmt: skip
+        # The processor (tokenizer, chat template, image settings) from the same revision and cache; an
+        # adapter without one of its own takes its base model's.
+        check_loading_options(processor_kwargs)
+        source = processor_source(model_name_or_path, self.full_model_path, adapters, **where)
+        self.processor = AutoProcessor.from_pretrained(
+            source,
+            trust_remote_code=trust_remote_code,
+            **(where if source == model_name_or_path else hub_location(base_kwargs)),
+            **(processor_kwargs or {}),
+        )
+        check_processor_settings(self.processor, processor_kwargs)  # before the weights load
+        check_one_row_per_image(self.processor)
+        self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        # Rewards get it (``generation_prompt``): a prefilled "<think>" is part of every completion's text.
+        self.generation_prompt = generation_prompt(self.processor)
         model = AutoModelForImageTextToText.from_pretrained(
             self.full_model_path,
             dtype=_dtype(dtype),
