@@ -22,6 +22,7 @@ import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_vlm.counts import check_count
+from lightning_vlm.data.class_labels import read_label_names
 from lightning_vlm.data.held_out import prompt_key
 from lightning_vlm.data.image_budget import ImageBudget
 from lightning_vlm.data.images import WHITE
@@ -341,7 +342,9 @@ class UnpairedDataModule(VLMDataModule):
     shape = "unpaired"
 
     def load(self, spec: str | dict, split: str, role: str) -> Source:
-        return unpair(super().load(spec, split, role), self.row_format.column_map)
+        column_map = self.row_format.column_map
+        # A ClassLabel label's index is no label (class_encode_column sorts "desirable" first): its names are.
+        return read_label_names(unpair(super().load(spec, split, role), column_map), column_map)
 
     def row_limit(self, source: Source, limit: int | None) -> int | None:
         """Whole pairs of a pair source: an odd limit cut the last pair in half, one more desirable row

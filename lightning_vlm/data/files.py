@@ -7,8 +7,8 @@ for an empty file, "An error occurred while generating the dataset" for one bad 
 read: Arrow's JSON reader stores them unchecked). So a JSON file is first checked to be UTF-8 (one
 streamed decode, about a second per GB), and only when that or the load fails do we parse the file
 ourselves to say what is wrong where (file, line, column, byte offset), as a :class:`SourceError`
-raised before training starts. A split spec in datasets' syntax (``train[:80%]``) picks rows of a file
-or a saved Dataset (one split, ``train``) as ``load_dataset`` picks them of a Hub dataset's splits.
+raised before training starts. A file with a key twice in an object, or the non-JSON NaN / Infinity,
+is refused naming the line, wherever ``datasets``' own readers would have taken them.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import codecs
 import gzip
 import json
 import lzma
-from collections.abc import Callable, Mapping, Sequence
+import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NoReturn
 
 FILE_BUILDERS: dict[str, str] = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # Compressions of JSON data that datasets reads and the standard library streams (train.jsonl.gz).
@@ -109,9 +110,34 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
     return dict(pairs)
 
 
+class NotJsonError(ValueError):
+    """``NaN``, ``Infinity`` or ``-Infinity``: Python's json reads them as floats (and writes a float NaN
+    so), but they are not JSON; a template then trained the text "nan" as an answer."""
+
+
+def _no_constant(name: str) -> NoReturn:
+    raise NotJsonError(
+        f"{name} is not a JSON value (Python's json.dumps writes a float NaN or infinity so): write null "
+        "for a missing value, or the number as a string"
+    )
+
+
+# A JSON string (skipped: it may hold the word) or one of the constants json.loads would read.
+_CONSTANT = re.compile(r'"(?:[^"\\]|\\.)*"|(-?Infinity|NaN)')
+
+
+def _constant_at(text: str) -> tuple[int, int]:
+    """(line, column) of the first NaN or Infinity outside a string of ``text``: json.loads hands its
+    ``parse_constant`` the word only."""
+    found = next((m for m in _CONSTANT.finditer(text) if m.group(1)), None)
+    start = found.start(1) if found is not None else 0
+    return text.count("\n", 0, start) + 1, start - text.rfind("\n", 0, start)
+
+
 def _loads(text: str) -> Any:
-    """``json.loads`` that refuses an object holding a key twice (:class:`DuplicateKeyError`)."""
-    return json.loads(text, object_pairs_hook=_unique_keys)
+    """``json.loads`` that refuses an object holding a key twice (:class:`DuplicateKeyError`) and the
+    non-JSON constants NaN and Infinity (:class:`NotJsonError`)."""
+    return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
 
 
 def _json_lines_problem(text: str) -> str | None:
@@ -126,6 +152,8 @@ def _json_lines_problem(text: str) -> str | None:
             return f"line {number}, column {e.colno}: invalid JSON ({e.msg}): {_snippet(line)}"
         except DuplicateKeyError as e:
             return f"line {number}: {e}: {_snippet(line)}"
+        except NotJsonError as e:
+            return f"line {number}, column {_constant_at(line)[1]}: {e}: {_snippet(line)}"
         if not isinstance(row, dict):
             return (
                 f"line {number} is a JSON {type(row).__name__}, not an object: JSON Lines data holds one "
@@ -147,6 +175,9 @@ def _json_document_problem(text: str) -> str | None:
         return f"line {e.lineno}, column {e.colno}: invalid JSON ({e.msg})"
     except DuplicateKeyError as e:
         return str(e)
+    except NotJsonError as e:
+        line, column = _constant_at(text)
+        return f"line {line}, column {column}: {e}"
     if isinstance(data, list):
         if not data:
             return "the file has no rows (an empty JSON list)"
@@ -176,6 +207,29 @@ def json_problem(path: Path) -> str | None:
     return _json_lines_problem(text)
 
 
+def _read_whole(path: Path) -> bool:
+    """Whether ``datasets`` may read this JSON file whole, by a parser that checks less than ours: a JSON
+    list (ujson: NaN as null, a key twice its last value), or a single line, which its fallback, pandas,
+    reads as one object of columns (a key twice: its last value; a list: one row per item)."""
+    rows = 0
+    with open_data(path) as f:
+        for line in f:  # a file of many lines is read no further than its second row
+            line = line.removeprefix(codecs.BOM_UTF8).strip()
+            if line.startswith(b"[") and not rows:
+                return True
+            rows += bool(line)
+            if rows > 1:
+                return False
+    return True
+
+
+def whole_file_problem(path: Path) -> str | None:
+    """What :func:`json_problem` finds in a JSON file ``datasets`` may read whole (``_read_whole``): its
+    readers take a key twice or a NaN there without a word. Other files, Arrow reads line by line: it
+    refuses a key twice, and a NaN comes back a float, which has the file re-read as written."""
+    return json_problem(path) if _read_whole(path) else None
+
+
 def _innermost(error: BaseException) -> BaseException:
     """The root cause of a chained exception: the parser's own message, not the loader's wrapper."""
     seen = {id(error)}
@@ -203,13 +257,15 @@ def load_file(path: Path) -> Any:
     try:
         if builder == "json" and not is_utf8(path):
             raise SourceError(f"{path}: {json_problem(path)}")
+        if builder == "json" and (problem := whole_file_problem(path)) is not None:
+            raise SourceError(f"{path}: {problem}")
     except ARCHIVE_ERRORS as e:  # checked first: datasets' own message names neither file nor cause
         if not compressed:  # a plain file's OSError (permissions, ...) says what it is
             raise
         raise SourceError(f"{path}: not a readable {path.suffix} archive: {type(e).__name__}: {e}") from e
     try:
         # A local file is one split, "train", whatever its name (so a separate validation file just
-        # works); sources picks a split spec's rows of it (one_split, pick_rows).
+        # works); sources picks a split spec's rows of it (splits.one_split, splits.pick_rows).
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as e:  # the loaders raise many types (ArrowInvalid, StopIteration, ...)
         problem = json_problem(path) if builder == "json" else parquet_problem(path)
@@ -275,70 +331,15 @@ def read_json_rows(path: Path) -> list[dict]:
     """
     with open_data(path) as f:
         text = f.read().decode("utf-8").removeprefix("\ufeff")
-    if text.lstrip().startswith("["):
-        return _loads(text)
-    return [_loads(line) for line in json_lines(text) if line.strip()]
+    try:
+        if text.lstrip().startswith("["):
+            return _loads(text)
+        return [_loads(line) for line in json_lines(text) if line.strip()]
+    except (DuplicateKeyError, NotJsonError) as e:  # datasets read them (Arrow: NaN as a float): say where
+        raise SourceError(f"{path}: {json_problem(path) or e}") from e
 
 
 def json_lines(text: str) -> list[str]:
     """The lines of JSON Lines text as Arrow splits them: at "\n" only (JSON strings may hold U+2028,
     U+2029 or U+0085 unescaped, which ``str.splitlines`` would split at), each without its "\r"."""
     return [line.removesuffix("\r") for line in text.split("\n")]
-
-
-def split_names(split: str) -> set[str]:
-    """The splits a split spec reads: ``"train[:80%]+validation"`` -> ``{"train", "validation"}``."""
-    return {part.split("[")[0].strip() for part in split.split("+")}
-
-
-def one_split(split: str, explicit: bool) -> str:
-    """The split spec a one-split source (a file, a saved Dataset: its split is ``train``) is read with.
-
-    ``split`` when it reads ``train`` (``train[:80%]``) or a dict spec gave it (then it must); else
-    ``train``, all of it: the DataModule's split names (``validation`` for a val source) are for sources
-    that have splits, and a separate validation file just works. A slice or a union of other splits
-    (``validation[:3]``) was asked for, as a dict spec's split is: kept, so ``pick_rows`` says it cannot."""
-    if explicit or split_names(split) == {"train"} or "[" in split or "+" in split:
-        return split
-    return "train"
-
-
-def pick_rows(split: str, sizes: Mapping[str, int], where: str) -> list[tuple[str, range]]:
-    """The rows ``split`` (datasets' split syntax) reads from splits of these ``sizes``, in order, as
-    (split name, row range) pairs; one it cannot read raises naming ``where`` and the split."""
-    import datasets
-
-    try:
-        instructions = datasets.ReadInstruction.from_spec(split).to_absolute(dict(sizes))
-    except ValueError as e:
-        raise SourceError(
-            f"{where}: split {split!r} cannot be read ({e}); it has the split(s) {list(sizes)} (a single "
-            "file or saved Dataset is one, 'train'): pick rows with datasets' split syntax, e.g. "
-            "'train[:80%]' and 'train[80%:]'"
-        ) from e
-    return [(i.splitname, range(i.from_, i.to)) for i in instructions]
-
-
-def row_dirs(
-    files: Mapping[str, Sequence[Path]], counts: Mapping[Path, int], split: str, where: str
-) -> list[Path]:
-    """The folder of the data file each row of ``split`` comes from, in the order ``pick_rows`` picks the
-    rows of these splits (``files``: split -> its files in order; ``counts``: rows per file)."""
-    per_split = {s: [f.parent for f in fs for _ in range(counts[f])] for s, fs in files.items()}
-    picks = pick_rows(split, {s: len(dirs) for s, dirs in per_split.items()}, where)
-    return [per_split[s][i] for s, indices in picks for i in indices]
-
-
-def select_rows(splits: Mapping[str, Any], split: str, where: str) -> Any:
-    """The ``datasets.Dataset`` of the rows ``split`` reads from ``splits`` (name -> Dataset)."""
-    import datasets
-
-    if split in splits:
-        return splits[split]
-    parts = [
-        splits[s].select(rows) for s, rows in pick_rows(split, {s: len(d) for s, d in splits.items()}, where)
-    ]
-    try:
-        return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-    except ValueError as e:  # splits whose columns differ
-        raise SourceError(f"{where}: the splits of {split!r} cannot be read as one: {e}") from e

@@ -6,7 +6,7 @@ file, as for that file given alone.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from lightning_vlm.data.files import (
@@ -22,13 +22,12 @@ from lightning_vlm.data.files import (
     json_rows_readable,
     load_file,
     parquet_problem,
-    pick_rows,
     read_json_rows,
-    row_dirs,
-    split_names,
+    whole_file_problem,
 )
 from lightning_vlm.data.images import IMAGE_SUFFIXES
 from lightning_vlm.data.loaded import DatasetRows, Source, load_hf_dataset, logger, warn_json_text
+from lightning_vlm.data.splits import pick_rows, row_dirs, split_names
 
 
 def from_folder(folder: Path, subset: str | None, split: str) -> Source:
@@ -36,11 +35,17 @@ def from_folder(folder: Path, subset: str | None, split: str) -> Source:
     file names (``train.jsonl``, ``validation.jsonl``, ...). Relative image paths start beside each
     row's data file, as for a file given alone (``data/train.jsonl`` next to ``data/a.png``)."""
     name = f"{folder} [{split}]"
-    named = _folder_files(folder, subset, split)
+    found = _data_files(folder, subset)
+    named = _folder_files(found, split)
+    if found is not None:
+        _check_type(folder, *found)
     if named is not None:
-        _check_left_out(folder, subset, named)
+        _check_left_out(folder, subset, named, found[0])
+        json_files = [f for f in _json_files(named) if not _archive_by_content(f)]
         # datasets reads a non-UTF-8 JSON file without a word, and fails at the first row read
-        _raise_file_problem([f for f in _json_files(named) if not _archive_by_content(f) and not is_utf8(f)])
+        _raise_file_problem([f for f in json_files if not is_utf8(f)])
+        # and takes a key twice or a NaN without a word in a file it reads whole
+        _raise_file_problem(json_files, whole_file_problem)
     try:
         dataset = load_hf_dataset(str(folder), subset, split, folder=True)
     except SourceError:
@@ -98,9 +103,29 @@ def _check_builder(folder: Path, named: Mapping[str, list[Path]] | None) -> None
         )
 
 
-def _check_left_out(folder: Path, subset: str | None, named: Mapping[str, list[Path]]) -> None:
+# Types datasets reads rows from as tables, by data suffix: it reads one per folder, and leaves the others
+# out. Of these only json and parquet are ours to read (FILE_BUILDERS; see _check_type).
+_TABLES = {**FILE_BUILDERS, ".ndjson": "json", ".csv": "csv", ".tsv": "csv", ".arrow": "arrow"}
+
+
+def _check_type(folder: Path, builder: str, files: Mapping[str, list[Path]]) -> None:
+    """Refuse a folder datasets reads with a builder other than the ones a file given alone is read with:
+    its csv reader guesses each column's type, so answers 02134, 4.50 and NA trained as '2134.0', '4.5'
+    and a skipped row. Image and audio folders are ``_check_builder``'s."""
+    if builder in FILE_BUILDERS.values() or builder.endswith("folder"):
+        return
+    read = [f for split_files in files.values() for f in split_files]
+    raise SourceError(
+        f"{folder}: datasets reads its data files ({_names(folder, read)}) with its {builder!r} reader, "
+        f"an unsupported file type, as such a file given alone is; convert them to one of "
+        f"{sorted(FILE_BUILDERS)} (JSON ones may be compressed: .gz, .bz2, .xz)"
+    )
+
+
+def _check_left_out(folder: Path, subset: str | None, named: Mapping[str, list[Path]], builder: str) -> None:
     """Refuse a split whose files are of several data types: datasets reads one type per folder (the
-    most common) and leaves the other files out without a word, so their rows were never trained on."""
+    most common, ``builder``) and leaves the other files out without a word, so their rows were never
+    trained on."""
     if subset is not None or _card_names_files(folder):  # a dataset card's configs name the files
         return
     from datasets.data_files import DataFilesDict, get_data_patterns
@@ -110,19 +135,19 @@ def _check_left_out(folder: Path, subset: str | None, named: Mapping[str, list[P
     except Exception:  # datasets raises many types; the folder's load says the rest
         return
     for split, files in named.items():
-        read = {FILE_BUILDERS.get(data_suffix(f)) for f in files}
         # data files of a builder other than the one read (None: not a data file)
         left = sorted(
             Path(f)
             for f in matched.get(split, [])
-            if FILE_BUILDERS.get(data_suffix(Path(f))) not in {None, *read}
+            if _TABLES.get(data_suffix(Path(f))) not in {None, builder}
         )
         if left:
             types = sorted({data_suffix(f) for f in [*files, *left]})
             raise SourceError(
                 f"{folder}: split '{split}' has data files of several types ({', '.join(types)}); datasets "
                 f"reads one type per folder, {_names(folder, files)}, and would leave out "
-                f"{_names(folder, left)}: convert them to one type, or give each type a folder of its own"
+                f"{_names(folder, left)}: convert them to one type of {sorted(FILE_BUILDERS)}, or give each "
+                "type a folder of its own"
             )
 
 
@@ -140,9 +165,9 @@ def _names(folder: Path, files: list[Path]) -> str:
     return ", ".join(str(f.relative_to(folder)) for f in files[:3]) + (", ..." if len(files) > 3 else "")
 
 
-def _raise_file_problem(files: list[Path]) -> None:
+def _raise_file_problem(files: list[Path], json_check: Callable[[Path], str | None] = json_problem) -> None:
     """SourceError naming the first of these data files that is not loadable and what is wrong there."""
-    problems = {"json": json_problem, "parquet": parquet_problem}
+    problems = {"json": json_check, "parquet": parquet_problem}
     for f in files:
         check = problems.get(FILE_BUILDERS.get(data_suffix(f), ""))
         if check is not None and (problem := check(f)) is not None:
@@ -163,17 +188,27 @@ def _json_files(named: Mapping[str, list[Path]]) -> list[Path]:
     return [f for f in _files(named) if FILE_BUILDERS.get(data_suffix(f)) == "json"]
 
 
-def _folder_files(folder: Path, subset: str | None, split: str) -> dict[str, list[Path]] | None:
-    """The data files of each split that ``split`` reads from a plain folder, in datasets' order (the
-    order "all" reads them in); None for a spec we do not follow (one naming a split they do not give)
-    or a folder whose files datasets does not name."""
+def _data_files(folder: Path, subset: str | None) -> tuple[str, dict[str, list[Path]]] | None:
+    """The builder datasets reads a plain folder with (``json``, ``csv``, ``imagefolder``, ...) and the
+    data files of each split, in its order (the order "all" reads them in); None for a folder whose files
+    datasets does not name."""
     import datasets
 
     try:
-        data_files = datasets.load_dataset_builder(str(folder), name=subset).config.data_files
+        builder = datasets.load_dataset_builder(str(folder), name=subset)
     except Exception:  # datasets raises many types; the folder's load (or its error) says the rest
         return None
-    named = {str(s): [Path(f) for f in files] for s, files in data_files.items()}
+    return builder.name, {str(s): [Path(f) for f in files] for s, files in builder.config.data_files.items()}
+
+
+def _folder_files(
+    found: tuple[str, dict[str, list[Path]]] | None, split: str
+) -> dict[str, list[Path]] | None:
+    """The data files of each split that ``split`` reads of those ``_data_files`` found; None for a spec we
+    do not follow (one naming a split they do not give) or a folder whose files datasets does not name."""
+    if found is None:
+        return None
+    named = found[1]
     wanted = set(named) if split == "all" else split_names(split)
     if wanted - set(named):
         return None

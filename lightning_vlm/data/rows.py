@@ -25,7 +25,7 @@ from urllib.request import url2pathname
 from PIL import Image
 
 from lightning_vlm.data.placeholders import text_blocks
-from lightning_vlm.data.sharegpt import CONVERSATIONS, from_sharegpt
+from lightning_vlm.data.sharegpt import CONVERSATIONS, SYSTEM, from_sharegpt, system_text
 
 SHAPES: tuple[str, ...] = ("sft", "preference", "prompt", "unpaired")
 REASONS: tuple[str, ...] = (
@@ -245,19 +245,18 @@ COMPLETION_MESSAGES = "completion_messages"
 
 
 def _check_answer(at: _Row, column: str, messages: list[dict]) -> None:
-    # SFT trains on assistant tokens only: without an assistant turn (or with only empty ones) the
-    # row would add nothing but padding to its batch, silently.
-    answers = [
-        b["text"]
-        for m in messages
-        if m["role"] == "assistant" and m.get(LOSS) is not False
-        for b in m["content"]
-        if b["type"] == "text"
-    ]
-    if not any(a.strip() for a in answers):
-        roles = [m["role"] for m in messages]
-        what = "an empty assistant turn" if answers else "no assistant turn trained on"
-        at.fail(column, "no_answer", f"SFT row with {what} (roles: {roles}): it has nothing to train on")
+    # SFT trains on assistant tokens only: without an assistant turn the row would add nothing but
+    # padding to its batch, silently; an empty one (a missing value written as "") trains the
+    # end-of-turn token alone, answering nothing, also beside good turns of the same row.
+    trained = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get(LOSS) is not False]
+    roles = [m["role"] for m in messages]
+    if not trained:
+        at.fail(column, "no_answer", f"SFT row with no assistant turn trained on (roles: {roles}): it has "
+                "nothing to train on")  # fmt: skip
+    for i in trained:
+        if not any(b["type"] == "text" and b["text"].strip() for b in messages[i]["content"]):
+            at.fail(column, "no_answer", f"SFT row with an empty assistant turn, message {i} (roles: {roles}): "
+                    "nothing to train on there but its end, which teaches answering nothing")  # fmt: skip
 
 
 def _check_reply(at: _Row, column: str, messages: list[dict], preferred: bool) -> None:
@@ -277,8 +276,18 @@ def _check_reply(at: _Row, column: str, messages: list[dict], preferred: bool) -
         )
 
 
+def _system_turn(row: Mapping, at: _Row, messages: list[dict]) -> dict | None:
+    """The system message a ShareGPT row's ``system`` column makes (LLaMA-Factory's), or None without one."""
+    try:
+        text = system_text(row.get(SYSTEM), messages)
+    except ValueError as err:
+        at.fail(SYSTEM, "wrong_type", str(err))
+    return None if text is None else {"role": "system", "content": _text(text, at, SYSTEM, "the text")}
+
+
 def _label(row: Mapping, at: _Row) -> bool:
-    """KTO's ``label``: a bool (True: desirable); 0/1 integers are accepted, anything else is an error."""
+    """KTO's ``label``: a bool (True: desirable; a ClassLabel's, by its names: class_labels.py); 0/1 integers
+    are accepted, anything else is an error."""
     value = _require(row, at, "label")
     if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
         return bool(value)
@@ -320,10 +329,13 @@ def normalize_row(
             column = CONVERSATIONS if row.get("messages") is None and row.get(CONVERSATIONS) else "messages"
             messages, plain = _conversation(_require(row, at, column), at, column)
             used, trained = (column,), messages
+            if column == CONVERSATIONS and (system := _system_turn(row, at, messages)) is not None:
+                messages, plain = [system, *messages], [True, *plain]
         _place_images(messages, plain, len(images))
         _check_count(at, used[0], _count_images(messages), len(images))
-        _check_answer(at, used[-1], trained)
+        _check_answer(at, used[-1], trained)  # message indices as the row writes them
         out["messages"] = messages
+        used = (*used, SYSTEM) if CONVERSATIONS in used else used  # a ShareGPT row's system turn
     elif shape == "preference":
         chosen_raw, rejected_raw = _require(row, at, "chosen"), _require(row, at, "rejected")
         if row.get("prompt") is None:

@@ -24,15 +24,12 @@ from lightning_vlm.data.files import (
     has_json_feature,
     json_rows_readable,
     load_file,
-    one_split,
-    pick_rows,
     read_json_rows,
-    select_rows,
-    split_names,
 )
 from lightning_vlm.data.folders import from_folder
 from lightning_vlm.data.image_budget import ImageBudget
 from lightning_vlm.data.loaded import DatasetRows, Source, load_hf_dataset, warn_json_text
+from lightning_vlm.data.splits import one_split, pick_rows, select_rows, split_names
 from lightning_vlm.data.synthetic import QUESTIONS, ROW_BUILDERS, SYNTHETIC_OPTIONS, build_row, make_sample
 
 SPEC_KEYS: tuple[str, ...] = ("path", "subset", "split", "num_samples", "seed", "kinds", "image_size")
