@@ -343,7 +343,8 @@ def _warn_vllm_min_p_order(method: Any, callbacks: Any) -> None:
     """vLLM applies min_p before top_p, HF ``generate`` after it. The two do not commute (top_p keeps a share
     of what is left), so together they keep other tokens, and the two samplers draw other completions."""
     sampling = method.get("sampling") or {}
-    top_p, min_p = sampling.get("top_p", 1.0), sampling.get("min_p", 0.0)
+    neutral = dict(_RESHAPING)
+    top_p, min_p = sampling.get("top_p", neutral["top_p"]), sampling.get("min_p", neutral["min_p"])
     if not (callbacks.get("vllm_generation") and sampling.get("do_sample", True)):
         return
     if _number(top_p) and _number(min_p) and top_p < 1 and min_p > 0:

@@ -11,7 +11,7 @@ temperatures. Processed log-probs of the top tokens move with the temperature; r
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 PROBE_TEMPERATURES = (1.0, 0.25)
 PROBE_TOP = 5  # top tokens compared: the lower-ranked ones move most with the temperature
@@ -28,18 +28,11 @@ class ChatClient(Protocol):
     def chat(self, body: dict) -> dict: ...
 
 
-def top_logprobs(
-    client: ChatClient, messages: list[dict], add_special_tokens: bool, temperature: float
-) -> list[float]:
-    """Log-probs of the ``PROBE_TOP`` most likely first tokens of the answer at ``temperature``."""
-    body: dict[str, Any] = {
-        "messages": messages, "max_tokens": 1, "temperature": temperature, "seed": 0,
-        # Neutral values sent explicitly: the server fills a missing field from the checkpoint's
-        # generation_config (a top_k there would cut the top tokens compared).
-        "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
-        "presence_penalty": 0.0, "frequency_penalty": 0.0,
-        "logprobs": True, "top_logprobs": PROBE_TOP, "add_special_tokens": add_special_tokens,
-    }  # fmt: skip
+def top_logprobs(client: ChatClient, request: dict, temperature: float) -> list[float]:
+    """Log-probs of the ``PROBE_TOP`` most likely first tokens of the answer to ``request`` (a chat body with
+    every sampling field explicit, ``vllm_server.chat_body``: the server fills a missing one from the
+    checkpoint's generation_config, and a top_k there would cut the tokens compared) at ``temperature``."""
+    body = {**request, "max_tokens": 1, "temperature": temperature, "seed": 0, "top_logprobs": PROBE_TOP}
     answer = client.chat(body)
     content = ((answer.get("choices") or [{}])[0].get("logprobs") or {}).get("content") or []
     if not content:
@@ -49,9 +42,9 @@ def top_logprobs(
     return [float(entry["logprob"]) for entry in content[0].get("top_logprobs") or []]
 
 
-def returns_processed_logprobs(client: ChatClient, messages: list[dict], add_special_tokens: bool) -> bool:
+def returns_processed_logprobs(client: ChatClient, request: dict) -> bool:
     """True unless the server's log-probs stay the same at two temperatures (``raw_logprobs``)."""
-    hot, cold = (top_logprobs(client, messages, add_special_tokens, t) for t in PROBE_TEMPERATURES)
+    hot, cold = (top_logprobs(client, request, t) for t in PROBE_TEMPERATURES)
     if len(hot) != len(cold) or not hot:
         return True  # not comparable: nothing to refuse on
     return max(abs(a - b) for a, b in zip(hot, cold, strict=True)) > UNCHANGED

@@ -155,6 +155,17 @@ class VLLMServerGenerator:
             )
         self._rendering_checked.add(system)
 
+    def _check_logprobs(self) -> None:
+        """Refuse a server whose log-probs are raw (vLLM's default mode), not those of the distribution it
+        samples from (``logprobs_probe``); probed with neutral sampling but for the temperature."""
+        neutral = chat_body(
+            sampling_kwargs(SamplingSettings(max_new_tokens=1), 1, self.vlm.end_of_turn_id, [])
+        )
+        probe = {**neutral, "messages": PROBE_MESSAGES, "add_special_tokens": adds_bos(self.vlm.processor)}
+        if not returns_processed_logprobs(self.client, probe):
+            raise VLLMServerError(raw_logprobs_message(self.client.url))
+        self._logprobs_checked = True
+
     def _check_image_tokens(self, rows: list[dict], answers: list[dict]) -> None:
         """Refuse a server that turns an image into another number of image tokens than the policy's processor
         (a server started by hand, without the model config's ``processor_kwargs``: Qwen2.5-VL's
@@ -191,9 +202,7 @@ class VLLMServerGenerator:
         for system in sorted({_has_system(r["prompt"]) for r in rows} - self._rendering_checked):
             self._check_rendering(system)
         if not sampling.greedy and not self._logprobs_checked:  # greedy answers' log-probs feed nothing
-            if not returns_processed_logprobs(self.client, PROBE_MESSAGES, adds_bos(vlm.processor)):
-                raise VLLMServerError(raw_logprobs_message(self.client.url))
-            self._logprobs_checked = True
+            self._check_logprobs()
         seeds = request_seeds(self.seed, len(rows), num_generations)
         bodies = [
             {**params, "messages": openai_messages(r["prompt"], r.get("images", [])),
