@@ -9,6 +9,7 @@ overridable from the command line, without repeating them.
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 from collections.abc import Mapping
 from datetime import datetime
@@ -62,6 +63,27 @@ def _run_stamp(pattern: str) -> str:
     return f"{stamp}_slurm-{job}" if job else stamp
 
 
+def _run_folder(parent: str, pattern: str) -> str:
+    """``parent/<stamp>`` (:func:`_run_stamp`), created here so that no other run has it: runs started in
+    the same second (two terminals, a script's ``&``) would otherwise share one folder, and each one's
+    checkpoint save replaces or deletes the other's files. The later run gets ``<stamp>_2``, ``_3``, ...
+    The processes of one external launch share their folder on purpose, so it is not claimed: one named
+    after the launch (:func:`launch_id`), or the time stamp where the launch names none (plain torchrun:
+    its ranks agree when their clocks do, README)."""
+    stamp = _run_stamp(pattern)
+    if launch_id() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return os.path.join(parent, stamp)
+    os.makedirs(parent, exist_ok=True)
+    for n in itertools.count(1):
+        folder = os.path.join(parent, stamp if n == 1 else f"{stamp}_{n}")
+        try:
+            os.mkdir(folder)  # atomic: exactly one process creates it, on a local or an NFS disk alike
+        except FileExistsError:
+            continue
+        return folder
+    raise AssertionError("unreachable")
+
+
 # Groups composed by other configs, never chosen on the command line: left out of --help.
 INTERNAL_GROUPS = ("hydra", "scale", "schema", "paths", "local")
 
@@ -87,8 +109,8 @@ def _config_groups(sources: Any) -> str:
 def register_resolvers() -> None:
     """Registers `${tiny_vlm:<family>[,random|<warm start>]}` (path of an offline tiny model, or of one of
     its SFT warm starts, ``warm_start.WARM_STARTS``), `${times:<value>,<factor>}` (their product), `${if_lora:<lora node>,<full>,<adapters>}` and
-    `${run_stamp:<strftime pattern>}` (the run folder's name: :func:`launch_id`, else the time); safe to
-    call twice."""
+    `${run_stamp:<strftime pattern>}` (the run folder's name: :func:`launch_id`, else the time) and
+    `${run_folder:<parent>,<strftime pattern>}` (that folder, claimed for this run); safe to call twice."""
     if not OmegaConf.has_resolver("tiny_vlm"):
         OmegaConf.register_new_resolver("tiny_vlm", _tiny_vlm, use_cache=True)
     if not OmegaConf.has_resolver("config_groups"):
@@ -104,6 +126,9 @@ def register_resolvers() -> None:
     if not OmegaConf.has_resolver("run_stamp"):
         # Cached like Hydra's ${now:}: the folder is named once per process.
         OmegaConf.register_new_resolver("run_stamp", _run_stamp, use_cache=True)
+    if not OmegaConf.has_resolver("run_folder"):
+        # Cached too, and Hydra copies the cache into each sweep job's config: a sweep claims its folder once.
+        OmegaConf.register_new_resolver("run_folder", _run_folder, use_cache=True)
 
 
 def signature_defaults(target: type) -> dict[str, Any]:

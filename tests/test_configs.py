@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import hydra
 import pytest
@@ -249,3 +250,35 @@ def test_experiments_set_learning_rates_relative_to_the_models_scale(experiment,
     hub = compose_train([f"experiment={experiment}", "model=qwen2_5_vl"], tmp_path)
     assert tiny.method.optimizer.lr == pytest.approx(2.5e-4)
     assert hub.method.optimizer.lr == pytest.approx(hub.scale.lr.online / 2) == pytest.approx(5e-7)
+
+
+@pytest.mark.parametrize(
+    ("launch", "shared"),
+    [
+        ({}, None),
+        ({"TORCHELASTIC_RUN_ID": "3f9c2a", "WORLD_SIZE": "2"}, "torchrun-3f9c2a"),
+        ({"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2"}, "2026-12-07_12-00-00"),  # plain torchrun
+    ],
+)
+def test_runs_started_in_the_same_second_get_their_own_folders(launch, shared, tmp_path, monkeypatch):
+    # Two train.py runs started in one second (two terminals, a script's `&`) shared logs/<task>/runs/<time>,
+    # and one run's checkpoint save replaced or deleted the other's files. Each process claims its own
+    # folder; the processes of one torchrun launch share theirs on purpose.
+    from lightning_vlm import config
+
+    for key in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in launch.items():
+        monkeypatch.setenv(key, value)
+    now = config.datetime(2026, 12, 7, 12, 0, 0)
+    monkeypatch.setattr(config, "datetime", type("Frozen", (), {"now": staticmethod(lambda: now)}))
+    composed = [compose_train([f"paths.log_dir={tmp_path}"], tmp_path) for _ in range(2)]
+    runs = tmp_path / composed[0].task_name / "runs"
+    expected = [runs / shared] * 2 if shared else [
+        runs / "2026-12-07_12-00-00", runs / "2026-12-07_12-00-00_2"
+    ]  # fmt: skip
+    assert [Path(c.hydra.run.dir) for c in composed] == expected
+    if not shared:
+        assert all(folder.is_dir() for folder in expected)
+        sweeps = [Path(c.hydra.sweep.dir).name for c in composed]
+        assert sweeps == ["2026-12-07_12-00-00", "2026-12-07_12-00-00_2"]

@@ -94,6 +94,7 @@ def test_a_sweep_with_a_failed_job_still_writes_the_summary_of_every_job(tmp_pat
     assert [j["status"] for j in jobs] == ["completed", "failed"]
     assert "data.batch_size must be a whole number > 0" in jobs[1]["error"]
     assert "| failed |" in (summary_file.parent / "summary.md").read_text()
+    assert not (tmp_path / "logs" / "sft" / "runs").exists()  # a sweep claims its sweep folder, no run folder
 
 
 @pytest.mark.slow
