@@ -38,6 +38,10 @@ def compose_train(
     with open_dict(cfg):
         cfg.hydra.runtime.output_dir = str(output_dir or ROOT / "logs" / "tests")
         cfg.hydra.job.num = 0
+        # As Hydra leaves them resolved: each folder is created when its name resolves (config.py), and a
+        # test's train() resolves the whole config (hparams), hydra node included.
+        cfg.hydra.run.dir = cfg.hydra.runtime.output_dir
+        cfg.hydra.sweep.dir = cfg.hydra.runtime.output_dir
     HydraConfig.instance().set_config(cfg)
     return cfg
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import hydra
 import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import get_class, get_method
 from omegaconf import DictConfig, OmegaConf
 
@@ -272,7 +274,11 @@ def test_runs_started_in_the_same_second_get_their_own_folders(launch, shared, t
         monkeypatch.setenv(key, value)
     now = config.datetime(2026, 12, 7, 12, 0, 0)
     monkeypatch.setattr(config, "datetime", type("Frozen", (), {"now": staticmethod(lambda: now)}))
-    composed = [compose_train([f"paths.log_dir={tmp_path}"], tmp_path) for _ in range(2)]
+    composed = []
+    for _ in range(2):  # two processes' configs (compose_train pins the run folder as Hydra has it)
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            composed.append(compose("train", [f"paths.log_dir={tmp_path}"], return_hydra_config=True))
     runs = tmp_path / composed[0].task_name / "runs"
     expected = [runs / shared] * 2 if shared else [
         runs / "2026-12-07_12-00-00", runs / "2026-12-07_12-00-00_2"
@@ -282,3 +288,17 @@ def test_runs_started_in_the_same_second_get_their_own_folders(launch, shared, t
         assert all(folder.is_dir() for folder in expected)
         sweeps = [Path(c.hydra.sweep.dir).name for c in composed]
         assert sweeps == ["2026-12-07_12-00-00", "2026-12-07_12-00-00_2"]
+
+
+def test_composing_creates_no_folder_and_eval_names_its_own(tmp_path, monkeypatch):
+    # eval.yaml set hydra.run.dir over train's, and OmegaConf's merge resolves the value it replaces:
+    # every eval.py run created an empty train run folder and sweep folder. (The folder's root from the
+    # environment: a command-line override applies after the merges.)
+    monkeypatch.setenv("PROJECT_ROOT", str(tmp_path))
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("eval", return_hydra_config=True)
+    assert not list(tmp_path.iterdir())
+    run = Path(cfg.hydra.run.dir)
+    assert run.parent == tmp_path / "logs" / cfg.task_name / "evals" and run.is_dir()
+    assert [p.name for p in (tmp_path / "logs" / cfg.task_name).iterdir()] == ["evals"]
