@@ -191,3 +191,42 @@ def test_a_sharegpt_system_column_that_cannot_be_the_system_turn_is_refused(tmp_
     with pytest.raises(RowError, match=r"data\.jsonl, row 0, column 'system'") as info:
         SFTDataModule(train=sft_file(tmp_path, [row])).setup()
     assert detail in str(info.value)
+
+
+SURE = assistant("Sure, the answer is")  # a prefill: TRL continues it (continue_final_message)
+
+
+@pytest.mark.parametrize(
+    ("shape", "row", "column"),
+    [
+        ("prompt", {"prompt": [user("Q?"), SURE]}, "prompt"),
+        (
+            "prompt",
+            {"messages": [user("Q?"), SURE, assistant("B")]},
+            "messages",
+        ),  # ms-swift's, answer dropped
+        ("preference", {"prompt": [user("Q?"), SURE], "chosen": "B", "rejected": "C"}, "prompt"),
+        (
+            "preference",
+            {"chosen": [user("Q?"), SURE, assistant("B")], "rejected": [user("Q?"), SURE, assistant("C")]},
+            "chosen",
+        ),  # fmt: skip
+        ("unpaired", {"prompt": [user("Q?"), SURE], "completion": "B", "label": True}, "prompt"),
+    ],
+)
+def test_a_prompt_ending_with_an_assistant_turn_is_refused_naming_it(shape, row, column):
+    # The chat template closed the prefill's turn and opened a new one: the answer followed a finished
+    # "Sure, the answer is" turn, where TRL continues it.
+    from lightning_vlm.data.rows import normalize_row
+
+    with pytest.raises(RowError, match=rf"column '{column}': .*ends with an assistant turn \(message 1\)"):
+        normalize_row(row, shape)
+
+
+def test_a_multi_turn_prompt_ending_with_the_users_turn_is_read():
+    from lightning_vlm.data.rows import normalize_row
+
+    roles = ["user", "assistant", "user"]
+    assert [m["role"] for m in normalize_row({"prompt": HI}, "prompt")["prompt"]] == roles
+    row = normalize_row({"prompt": HI, "completion": "Paris", "label": True}, "unpaired")
+    assert [m["role"] for m in row["prompt"]] == roles and row["label"] is True

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from lightning_vlm.data import normalize_row
-from lightning_vlm.data.rows import RowError
+from lightning_vlm.data.row_error import RowError
 
 IMG = {"type": "image"}
 

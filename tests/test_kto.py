@@ -10,7 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from lightning_vlm.data.rows import RowError, normalize_row
+from lightning_vlm.data.row_error import RowError
+from lightning_vlm.data.rows import normalize_row
 from lightning_vlm.data.synthetic import synthetic_rows
 from lightning_vlm.losses.kto import (
     kto_losses,

@@ -234,7 +234,7 @@ def test_a_turn_with_loss_false_is_not_trained_on(vlms):
     messages = [_user("Hello"), skipped, _user("What colour?"), {**_assistant("red"), "loss": True}]
     row = normalize_row({"messages": messages}, "sft")
     assert labelled(vlm, row) == ["red<|im_end|>"]
-    from lightning_vlm.data.rows import RowError
+    from lightning_vlm.data.row_error import RowError
 
     with pytest.raises(RowError, match=r"message 1 has 'loss': 'no'; expected true or false"):
         normalize_row({"messages": [_user("Hi"), {**_assistant("Yo"), "loss": "no"}]}, "sft")

@@ -12,7 +12,8 @@ from lightning_vlm.data.datamodule import (
 from lightning_vlm.data.files import SourceError
 from lightning_vlm.data.images import load_row, open_image, to_rgb
 from lightning_vlm.data.loaded import Source
-from lightning_vlm.data.rows import RowError, normalize_row
+from lightning_vlm.data.row_error import RowError
+from lightning_vlm.data.rows import normalize_row
 from lightning_vlm.data.skips import NoRowsError
 from lightning_vlm.data.sources import load_source, synthetic_source
 from lightning_vlm.data.synthetic import VOCABULARY, make_sample, synthetic_rows

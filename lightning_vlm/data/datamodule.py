@@ -28,7 +28,7 @@ from lightning_vlm.data.image_budget import ImageBudget
 from lightning_vlm.data.images import WHITE
 from lightning_vlm.data.loaded import Source
 from lightning_vlm.data.resumable import ResumableDataLoader
-from lightning_vlm.data.rows import RowError
+from lightning_vlm.data.row_error import RowError
 from lightning_vlm.data.skips import NoRowsError, SkippedRow, collate_rows, require_rows, scan
 from lightning_vlm.data.sources import check_pixel_answers, load_source, plain
 from lightning_vlm.data.synthetic import SYNTHETIC_OPTIONS

@@ -27,7 +27,9 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from lightning_vlm.data.image_budget import ImageBudget
-from lightning_vlm.data.rows import ImageRef, RowError, normalize_row
+from lightning_vlm.data.row_error import RowError
+from lightning_vlm.data.row_images import ImageRef
+from lightning_vlm.data.rows import normalize_row
 
 # Image file suffixes: a column of such paths is images (skips), a folder of such files an image folder.
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")

@@ -18,58 +18,27 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
-from urllib.parse import urlparse
-from urllib.request import url2pathname
-
-from PIL import Image
+from typing import Any
 
 from lightning_vlm.data.placeholders import text_blocks
+from lightning_vlm.data.row_error import RowAt
+from lightning_vlm.data.row_images import image_refs
 from lightning_vlm.data.sharegpt import CONVERSATIONS, SYSTEM, from_sharegpt, system_text
 
 SHAPES: tuple[str, ...] = ("sft", "preference", "prompt", "unpaired")
-REASONS: tuple[str, ...] = (
-    "missing_column",
-    "wrong_type",
-    "image_count_mismatch",
-    "missing_image",
-    "corrupt_image",
-    "no_answer",
-)
 # Keys that would carry an image inside a content block; we only support images in the image columns,
 # so that the count check below has one place to look.
 _EMBEDDED_IMAGE_KEYS = ("image", "url", "path", "base64")
 
-# An image before loading: a PIL image, encoded bytes, or an absolute path.
-ImageRef = Image.Image | bytes | str
 
-
-class RowError(ValueError):
-    """A bad row: says which source, row index and column, and why (``reason`` is one of REASONS)."""
-
-    def __init__(self, source: str, index: int, column: str, reason: str, detail: str) -> None:
-        super().__init__(f"{source}, row {index}, column {column!r}: {detail} [{reason}]")
-        self.source, self.index, self.column, self.reason, self.detail = source, index, column, reason, detail
-
-
-class _Row:
-    """Where we are (for error messages) while normalising one row."""
-
-    def __init__(self, source: str, index: int) -> None:
-        self.source, self.index = source, index
-
-    def fail(self, column: str, reason: str, detail: str) -> NoReturn:
-        raise RowError(self.source, self.index, column, reason, detail)
-
-
-def _text(text: str, at: _Row, column: str, where: str) -> list[dict]:
+def _text(text: str, at: RowAt, column: str, where: str) -> list[dict]:
     try:
         return text_blocks(text)
     except ValueError as err:
         at.fail(column, "wrong_type", f"{where} {err}")
 
 
-def _block(block: Any, at: _Row, column: str, where: str) -> list[dict]:
+def _block(block: Any, at: RowAt, column: str, where: str) -> list[dict]:
     if not isinstance(block, Mapping):
         at.fail(
             column,
@@ -99,7 +68,7 @@ ROLES = ("system", "user", "assistant", "tool")
 LOSS = "loss"
 
 
-def _conversation(value: Any, at: _Row, column: str) -> tuple[list[dict], list[bool]]:
+def _conversation(value: Any, at: RowAt, column: str) -> tuple[list[dict], list[bool]]:
     """Normalised messages, and for each whether its content was a plain string (not typed blocks)."""
     if not isinstance(value, Sequence) or isinstance(value, str) or not value:
         at.fail(column, "wrong_type", f"expected a non-empty list of messages, got {type(value).__name__}")
@@ -135,7 +104,7 @@ def _conversation(value: Any, at: _Row, column: str) -> tuple[list[dict], list[b
     return messages, plain
 
 
-def _text_or_conversation(value: Any, at: _Row, column: str, role: str) -> tuple[list[dict], list[bool]]:
+def _text_or_conversation(value: Any, at: RowAt, column: str, role: str) -> tuple[list[dict], list[bool]]:
     if isinstance(value, str):
         return [{"role": role, "content": _text(value, at, column, "the text")}], [True]
     return _conversation(value, at, column)
@@ -158,65 +127,7 @@ def _place_images(messages: list[dict], plain: list[bool], n: int) -> None:
         messages[at]["content"] = [{"type": "image"} for _ in range(n)] + messages[at]["content"]
 
 
-def _resolve(path: str | os.PathLike, base_dir: Path | None) -> str:
-    path = Path(path).expanduser()
-    if not path.is_absolute() and base_dir is not None:
-        path = base_dir / path
-    return str(path)
-
-
-def _image_ref(value: Any, at: _Row, column: str, base_dir: Path | None, check_files: bool) -> ImageRef:
-    if isinstance(value, Image.Image | bytes):
-        return value
-    if isinstance(value, Mapping):  # how `datasets` stores an undecoded Image feature
-        if value.get("bytes") is not None:
-            if not isinstance(value["bytes"], bytes):
-                at.fail(column, "wrong_type", f"an image's 'bytes' must be the encoded file's bytes, got "
-                        f"{type(value['bytes']).__name__} (base64 text: decode it first)")  # fmt: skip
-            return value["bytes"]
-        value = value.get("path")
-    if isinstance(value, str) and value.lstrip().lower().startswith(("http://", "https://", "data:")):
-        # Read as a relative path, it was "not found" at a mangled path (base/https:/host/x.png).
-        at.fail(
-            column, "wrong_type",
-            f"image URLs and data URIs are not read ({value[:60]!r}): download the images and give their "
-            "paths, or load the dataset with datasets' Image feature",
-        )  # fmt: skip
-    if isinstance(value, str) and value.lstrip().lower().startswith("file://"):
-        # A local file as a URI (pathlib's as_uri): its path, not a name relative to the data folder.
-        uri = urlparse(value.strip())
-        if uri.netloc not in ("", "localhost"):  # file://x/y.png: "x" is a host, the path /y.png
-            at.fail(column, "wrong_type", f"the file URI {value!r} names the host {uri.netloc!r}; a local "
-                    "file's is file:///absolute/path (three slashes), or give the path itself")  # fmt: skip
-        value = url2pathname(uri.path)
-    if isinstance(value, str | os.PathLike):
-        path = _resolve(value, base_dir)
-        if check_files and not os.path.isfile(path):
-            at.fail(column, "missing_image", f"image file not found: {path}")
-        return path
-    at.fail(
-        column, "wrong_type", f"an image must be a path, a PIL image or {{'bytes', 'path'}}, got {value!r}"
-    )
-
-
-def _image_refs(row: Mapping, at: _Row, base_dir: Path | None, check_files: bool) -> list[ImageRef]:
-    images, image = row.get("images"), row.get("image")
-    if images is not None and image is not None:
-        at.fail("images", "wrong_type", "row has both 'image' and 'images'; keep one")
-    if image is not None:
-        return [_image_ref(image, at, "image", base_dir, check_files)]
-    if images is None:
-        return []
-    if not isinstance(images, Sequence) or isinstance(images, str | bytes):
-        at.fail(
-            "images",
-            "wrong_type",
-            f"'images' must be a list, got {type(images).__name__}; use 'image' for one",
-        )
-    return [_image_ref(v, at, "images", base_dir, check_files) for v in images]
-
-
-def _require(row: Mapping, at: _Row, column: str) -> Any:
+def _require(row: Mapping, at: RowAt, column: str) -> Any:
     if row.get(column) is None:
         # Stored datasets hold every file-wide column in every row, None where absent: list real ones.
         present = sorted(k for k, v in row.items() if v is not None)
@@ -231,7 +142,7 @@ def _common_prefix(a: list[dict], b: list[dict]) -> int:
     return n
 
 
-def _check_count(at: _Row, column: str, blocks: int, images: int) -> None:
+def _check_count(at: RowAt, column: str, blocks: int, images: int) -> None:
     if blocks != images:
         at.fail(
             column,
@@ -244,7 +155,7 @@ def _check_count(at: _Row, column: str, blocks: int, images: int) -> None:
 COMPLETION_MESSAGES = "completion_messages"
 
 
-def _check_answer(at: _Row, column: str, messages: list[dict]) -> None:
+def _check_answer(at: RowAt, column: str, messages: list[dict]) -> None:
     # SFT trains on assistant tokens only: without an assistant turn the row would add nothing but
     # padding to its batch, silently; an empty one (a missing value written as "") trains the
     # end-of-turn token alone, answering nothing, also beside good turns of the same row.
@@ -259,7 +170,7 @@ def _check_answer(at: _Row, column: str, messages: list[dict]) -> None:
                     "nothing to train on there but its end, which teaches answering nothing")  # fmt: skip
 
 
-def _check_reply(at: _Row, column: str, messages: list[dict], preferred: bool) -> None:
+def _check_reply(at: RowAt, column: str, messages: list[dict], preferred: bool) -> None:
     """A preference or KTO answer: assistant text. An image in it failed mid-training, at the batch
     holding the row. An empty ``preferred`` one (chosen, desirable: a missing value written as "") would
     teach answering nothing; an empty rejected or undesirable one is kept (not ending the turn at once is
@@ -276,7 +187,17 @@ def _check_reply(at: _Row, column: str, messages: list[dict], preferred: bool) -
         )
 
 
-def _system_turn(row: Mapping, at: _Row, messages: list[dict]) -> dict | None:
+def _check_prompt_end(at: RowAt, column: str, prompt: list[dict]) -> None:
+    """A prompt is answered in a new assistant turn. TRL continues one that ends with an assistant turn
+    (``continue_final_message``: a prefill such as "<think>"); the chat template here would close that
+    turn and open another, so the answer would follow a finished turn instead of continuing it."""
+    if prompt and prompt[-1]["role"] == "assistant":
+        at.fail(column, "wrong_type", f"'{column}' ends with an assistant turn (message {len(prompt) - 1}), "
+                "which TRL continues as a prefill and a new turn here would follow: end it with the "
+                "user's turn")  # fmt: skip
+
+
+def _system_turn(row: Mapping, at: RowAt, messages: list[dict]) -> dict | None:
     """The system message a ShareGPT row's ``system`` column makes (LLaMA-Factory's), or None without one."""
     try:
         text = system_text(row.get(SYSTEM), messages)
@@ -285,7 +206,7 @@ def _system_turn(row: Mapping, at: _Row, messages: list[dict]) -> dict | None:
     return None if text is None else {"role": "system", "content": _text(text, at, SYSTEM, "the text")}
 
 
-def _label(row: Mapping, at: _Row) -> bool:
+def _label(row: Mapping, at: RowAt) -> bool:
     """KTO's ``label``: a bool (True: desirable; a ClassLabel's, by its names: class_labels.py); 0/1 integers
     are accepted, anything else is an error."""
     value = _require(row, at, "label")
@@ -305,11 +226,11 @@ def normalize_row(
     """Validate one raw row and return it normalised; images stay references (paths, bytes, PIL)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown data shape {shape!r}; expected one of {SHAPES}")
-    at = _Row(source, index)
+    at = RowAt(source, index)
     if not isinstance(row, Mapping):
         at.fail("<row>", "wrong_type", f"a row must be a dict, got {type(row).__name__}")
     base = Path(base_dir) if base_dir is not None else None
-    images = _image_refs(row, at, base, check_files)
+    images = image_refs(row, at, base, check_files)
     out: dict[str, Any] = {}
     if shape == "sft":
         if (
@@ -362,6 +283,7 @@ def normalize_row(
         _check_reply(at, "rejected", rejected, preferred=False)
         if chosen == rejected:  # no preference: DPO's loss is a constant, KTO's rows contradict each other
             at.fail("chosen", "wrong_type", "'chosen' and 'rejected' are the same answer")
+        _check_prompt_end(at, "prompt" if row.get("prompt") is not None else "chosen", prompt)
         _place_images(prompt, plain, len(images))
         _check_count(at, "prompt", _count_images(prompt), len(images))
         out.update(prompt=prompt, chosen=chosen, rejected=rejected)
@@ -371,6 +293,7 @@ def normalize_row(
         completion, _ = _text_or_conversation(_require(row, at, "completion"), at, "completion", "assistant")
         out["label"] = _label(row, at)
         _check_reply(at, "completion", completion, preferred=out["label"])
+        _check_prompt_end(at, "prompt", prompt)
         _place_images(prompt, plain, len(images))
         _check_count(at, "prompt", _count_images(prompt), len(images))
         out.update(prompt=prompt, completion=completion)
@@ -382,6 +305,7 @@ def normalize_row(
         prompt, plain = _text_or_conversation(_require(row, at, column), at, column, "user")
         if column == "messages" and len(prompt) > 1 and prompt[-1]["role"] == "assistant":
             prompt, plain = prompt[:-1], plain[:-1]
+        _check_prompt_end(at, column, prompt)
         _place_images(prompt, plain, len(images))
         _check_count(at, column, _count_images(prompt), len(images))
         out["prompt"] = prompt

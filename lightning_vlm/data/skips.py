@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from PIL import Image
 
 from lightning_vlm.data.images import IMAGE_SUFFIXES
-from lightning_vlm.data.rows import RowError
+from lightning_vlm.data.row_error import RowError
 
 if TYPE_CHECKING:  # sources/templates import datasets machinery; only their types are needed here
     from lightning_vlm.data.loaded import Source

@@ -19,7 +19,8 @@ from typing import Any
 from lightning_vlm.data.image_budget import ImageBudget
 from lightning_vlm.data.images import WHITE, load_row, rgb_background
 from lightning_vlm.data.placeholders import control_token_error, control_token_in, model_image_token_in
-from lightning_vlm.data.rows import SHAPES, RowError, normalize_row
+from lightning_vlm.data.row_error import RowError
+from lightning_vlm.data.rows import SHAPES, normalize_row
 
 # The conversation column each shape's template fills, and the one the system turn goes in front of.
 CONVERSATION: dict[str, str] = {
