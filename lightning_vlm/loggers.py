@@ -42,10 +42,41 @@ def logged_step(trainer: L.Trainer) -> int:
     return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
-def wandb_account_configured() -> bool:
-    """True when wandb has credentials: WANDB_API_KEY, or a `wandb login` entry in ~/.netrc."""
-    if os.environ.get("WANDB_API_KEY"):
+def _wandb_key_found() -> bool | None:
+    """Whether wandb finds an API key for the server it would use: WANDB_BASE_URL, else the one
+    ``wandb login --host`` saved in its settings file, else its cloud, whose host and ``~/.netrc`` entry
+    wandb 0.31 renamed (api.forge.coreweave.com, api.wandb.ai still read). Asked of wandb itself, since
+    that lookup changes between its versions; None where this wandb has none to ask (older versions)."""
+    try:
+        from wandb import Settings
+        from wandb.errors import AuthenticationError
+        from wandb.sdk.lib.wbauth import wbnetrc
+    except ImportError:
+        return None
+    # Settings of our own, read as wandb.setup() reads them (its settings file, then the environment):
+    # loading wandb's process-wide ones here would freeze them before WANDB_MODE=offline is set.
+    settings = Settings(quiet=True)  # wandb.init says which settings files it loads; once is enough
+    config_dir = os.environ.get("WANDB_CONFIG_DIR")
+    settings.settings_system = str(
+        Path(config_dir).expanduser() / "settings"
+        if config_dir
+        else Path.home() / ".config" / "wandb" / "settings"
+    )
+    settings.update_from_system_settings()
+    settings.update_from_env_vars(dict(os.environ))
+    try:
+        return bool(settings.api_key or wbnetrc.read_netrc_auth(host=settings.base_url))
+    except AuthenticationError:  # a key wandb refuses, saying why: the run tries, then falls back to CSV
         return True
+
+
+def wandb_account_configured() -> bool:
+    """True when wandb has credentials: WANDB_API_KEY or WANDB_IDENTITY_TOKEN_FILE, or a `wandb login`
+    key for the server wandb would use."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    if (found := _wandb_key_found()) is not None:
+        return found
     try:
         hosts = netrc.netrc(os.environ.get("NETRC", Path.home() / ".netrc")).hosts
     except (FileNotFoundError, netrc.NetrcParseError, OSError):

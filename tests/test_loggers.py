@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+from pathlib import Path
 
 import pytest
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
@@ -48,13 +49,41 @@ def test_csv_fallback_when_wandb_cannot_start(tmp_path, monkeypatch, fresh_wandb
     assert isinstance(started, CSVLogger) and wandb.run is None
 
 
-def test_netrc_entry_counts_as_account(tmp_path, monkeypatch):
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    netrc_file = tmp_path / "netrc"
-    netrc_file.write_text("machine api.wandb.ai\n  login user\n  password secret\n")
+KEY = "k" * 40  # the shortest key wandb takes
+
+
+def no_account(tmp_path, monkeypatch) -> Path:
+    """No credentials in the environment, no settings file of wandb's; returns the netrc file to write."""
+    for key in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(tmp_path)  # no workspace settings (./wandb/settings) of the checkout
+    (tmp_path / "config").mkdir()
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    return tmp_path / "netrc"
+
+
+# `wandb login` writes the key under its cloud's host: api.forge.coreweave.com since wandb 0.31, whose
+# cloud still reads the entry older versions wrote. The first was read as no account: such runs went offline.
+@pytest.mark.parametrize("host", ["api.wandb.ai", "api.forge.coreweave.com"])
+def test_netrc_entry_counts_as_account(host, tmp_path, monkeypatch, fresh_wandb):
+    netrc_file = no_account(tmp_path, monkeypatch)
+    netrc_file.write_text(f"machine {host}\n  login user\n  password {KEY}\n")
     netrc_file.chmod(0o600)
-    monkeypatch.setenv("NETRC", str(netrc_file))
     assert wandb_account_configured()
+
+
+def test_the_server_wandb_login_host_chose_counts_as_account(tmp_path, monkeypatch, fresh_wandb):
+    # `wandb login --host URL` writes the server to wandb's settings file and the key under its host in
+    # ~/.netrc. Only WANDB_BASE_URL was read, so such a run went offline with an account configured.
+    netrc_file = no_account(tmp_path, monkeypatch)
+    (tmp_path / "config" / "settings").write_text("[default]\nbase_url = https://wandb.example.com\n")
+    netrc_file.write_text(f"machine wandb.example.com\n  login user\n  password {KEY}\n")
+    netrc_file.chmod(0o600)
+    assert wandb_account_configured()
+    # a key for W&B's cloud is no account on the server wandb would use
+    netrc_file.write_text(f"machine api.wandb.ai\n  login user\n  password {KEY}\n")
+    assert not wandb_account_configured()
 
 
 def test_csv_fallback_when_wandb_cannot_import(tmp_path, monkeypatch):
