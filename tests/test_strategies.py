@@ -5,6 +5,8 @@ from the model's scale, sharded checkpoints) and DeepSpeed ZeRO-2/3. Their runs 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import hydra
 import lightning as L
 import pytest
@@ -12,7 +14,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 from helpers import compose_train, group_options
-from lightning_vlm.parallel.fsdp import VLMFSDPStrategy, layer_classes
+from lightning_vlm.parallel.fsdp import VLMFSDPStrategy, check_orig_params, layer_classes
 
 PARALLEL = ["ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3"]
 TINY = [m for m in group_options("model") if m.startswith("tiny_")]
@@ -97,6 +99,13 @@ def test_an_online_method_clips_in_the_deepspeed_engine(trainer, tmp_path):
     module = SimpleNamespace(trainer=SimpleNamespace(strategy=strategy), hparams=cfg.method)
     OnlineRL.setup(module, "fit")  # the hook runs before the strategy builds its engine
     assert strategy.config["gradient_clipping"] == cfg.method.max_grad_norm == 1.0
+    # A config's own clip ("auto" is filled): one that differs was replaced without a word.
+    strategy.config["gradient_clipping"] = "auto"
+    OnlineRL.setup(module, "fit")
+    assert strategy.config["gradient_clipping"] == 1.0
+    strategy.config["gradient_clipping"] = 0.5
+    with pytest.raises(ValueError, match=r"gradient_clipping=0.5 differs from method.max_grad_norm=1.0"):
+        OnlineRL.setup(module, "fit")
 
 
 @pytest.mark.parametrize("trainer", ["deepspeed_zero2", "deepspeed_zero3", "fsdp"])
@@ -181,3 +190,22 @@ def test_fsdp_wraps_a_bf16_model_with_fp32_lora_adapters(tiny_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int(proc.stdout.split("trained")[-1]) > 0  # the adapters got gradients
+
+
+def test_fsdp_without_orig_params_is_refused_by_what_reads_weights_by_name(tmp_path):
+    # FSDP's units then hold flat parameters (_flat_param): the export wrote a folder with none of the
+    # model's weights (transformers loads it as random ones), the vLLM sync pushed names vLLM lacks.
+    overrides = [
+        "method=grpo",
+        "generation=vllm_colocate",
+        "trainer=fsdp",
+        "callbacks=[default,export,sync_ref]",
+    ]
+    cfg = compose_train([*overrides, "trainer.strategy.use_orig_params=false"], tmp_path)
+    trainer = SimpleNamespace(strategy=hydra.utils.instantiate(cfg.trainer.strategy))
+    for name in ("export", "vllm_generation"):
+        with pytest.raises(ValueError, match=r"use_orig_params=true"):
+            hydra.utils.instantiate(cfg.callbacks[name]).setup(trainer, None, "fit")
+    with pytest.raises(ValueError, match=r"callbacks.sync_ref .*use_orig_params=true"):
+        hydra.utils.instantiate(cfg.callbacks.sync_ref).check(trainer.strategy, None)
+    check_orig_params(hydra.utils.instantiate(compose_train(overrides, tmp_path).trainer.strategy), "x")

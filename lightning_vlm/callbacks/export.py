@@ -23,7 +23,7 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token, is_offli
 from omegaconf import OmegaConf
 
 from lightning_vlm.parallel.export import save_sharded
-from lightning_vlm.parallel.fsdp import sharded_root
+from lightning_vlm.parallel.fsdp import check_orig_params, sharded_root
 from lightning_vlm.parallel.steps import partitions_weights
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ class ExportHFModel(L.Callback):
         if stage == "fit":
             self._exported = False
             check_not_partitioned(trainer.strategy)
+            check_orig_params(trainer.strategy, "callbacks.export")
         if stage == "fit" and self.push_to_hub is True:
             check_can_push()
 

@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_vlm.methods.reference_state import KeepsReference
 from lightning_vlm.models.reference import ReferenceModel
-from lightning_vlm.parallel.fsdp import clean_name, sharded_root, unit_state_chunks
+from lightning_vlm.parallel.fsdp import check_orig_params, clean_name, sharded_root, unit_state_chunks
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class ReferenceSync(L.Callback):
                 "callbacks.sync_ref (TR-DPO) runs on one process, trainer=ddp or trainer=fsdp, not DeepSpeed, "
                 "whose optimizer steps inside its engine"
             )
+        check_orig_params(strategy, "callbacks.sync_ref (TR-DPO)")
         reference = pl_module.training_reference() if isinstance(pl_module, KeepsReference) else None
         if reference is None:
             raise ValueError(

@@ -30,7 +30,7 @@ from lightning_vlm.generation.vllm_server import TRANSFERS, VLLMServerGenerator
 from lightning_vlm.generation.vllm_server_client import VLLMServerError
 from lightning_vlm.generation.weight_sync import check_syncable
 from lightning_vlm.methods.online import OnlineRL
-from lightning_vlm.parallel.fsdp import sharded_root, unit_state_chunks
+from lightning_vlm.parallel.fsdp import check_orig_params, sharded_root, unit_state_chunks
 from lightning_vlm.parallel.steps import partitions_weights
 from lightning_vlm.serving.server_gpus import gpus_needed, server_gpus, visible_gpus
 
@@ -146,6 +146,7 @@ class VLLMGeneration(L.Callback):
                 "vLLM: train with trainer=fsdp (the sync gathers one unit at a time) or "
                 "trainer=deepspeed_zero2, or generate with generation=hf"
             )
+        check_orig_params(trainer.strategy, "callbacks.vllm_generation's weight sync")
         if not isinstance(pl_module, OnlineRL):
             raise TypeError(
                 f"VLLMGeneration needs a module with `vlm` and a replaceable `generator` (an online "

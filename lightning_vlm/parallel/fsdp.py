@@ -172,6 +172,19 @@ def sharded_root(module: Any) -> torch.nn.Module | None:
     return module if isinstance(module, FullyShardedDataParallel) else None
 
 
+def check_orig_params(strategy: Any, what: str) -> None:
+    """Refuses FSDP without ``use_orig_params`` for ``what`` (the HF export, the vLLM weight sync): its
+    units then hold flat parameters (``_flat_param``) instead of the model's, so the weights gathered by
+    name would hold none of the model's, and an exported folder would load as random weights."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    if isinstance(strategy, FSDPStrategy) and not strategy.kwargs.get("use_orig_params", True):
+        raise ValueError(
+            f"{what} reads the model's weights by name, which FSDP without use_orig_params replaces by flat "
+            "parameters: set trainer.strategy.use_orig_params=true (conf/trainer/fsdp.yaml's)"
+        )
+
+
 def unit_state_chunks(root: torch.nn.Module, module: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     """``module``'s parameters (and persistent buffers), one FSDP unit at a time, at full size.
 

@@ -79,11 +79,19 @@ def engine_clipping(module: L.LightningModule, max_grad_norm: float | None) -> N
     DeepSpeed clips inside its own step (Lightning's ``clip_gradients`` is a no-op there), and Lightning
     refuses ``trainer.gradient_clip_val`` for a module that steps its own optimizer, so an online
     method's clip reaches the engine only through its config. Call it before the engine is built
-    (``setup``): the strategy fills ``gradient_clipping`` only where the config does not set it.
+    (``setup``). A DeepSpeed config's own ``gradient_clipping`` ("auto": filled, as in HF's Trainer)
+    must agree with it: set silently over, a config's clip was dropped without a word.
     """
     strategy = module.trainer.strategy
     if isinstance(strategy, DeepSpeedStrategy):
-        strategy.config["gradient_clipping"] = float(max_grad_norm or 0.0)
+        clip, given = float(max_grad_norm or 0.0), strategy.config.get("gradient_clipping", "auto")
+        if given != "auto" and float(given) != clip:
+            raise ValueError(
+                f"the DeepSpeed config's gradient_clipping={given} differs from method.max_grad_norm="
+                f'{max_grad_norm}, which the engine clips by: drop it from the config (or write "auto"), or '
+                "set method.max_grad_norm to it"
+            )
+        strategy.config["gradient_clipping"] = clip
 
 
 def partitions_weights(strategy: Any) -> bool:
