@@ -209,6 +209,20 @@ def test_a_requeued_run_with_another_schedule_keeps_writing_last_ckpt(tmp_path):
         train(compose_train(fresh, tmp_path))
 
 
+def test_an_earlier_sharded_last_ckpt_folder_is_named_before_it_is_replaced(tmp_path, monkeypatch):
+    # FSDP's sharded last.ckpt is a folder, which the check for an earlier run's file passed over.
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_vlm.callbacks.last_checkpoint import LastCheckpoint
+
+    (tmp_path / "last.ckpt").mkdir()
+    monkeypatch.setattr(ModelCheckpoint, "on_train_start", lambda *args: None)  # needs a whole Trainer
+    with pytest.warns(UserWarning, match="last.ckpt holds an earlier run's state"):
+        LastCheckpoint(dirpath=tmp_path).on_train_start(SimpleNamespace(global_step=0, ckpt_path=None), None)
+
+
 def test_a_checkpoint_resumed_with_other_parameters_trained_names_ckpt_path(tmp_path):
     # Its optimizer groups no longer fit: torch's bare "parameter group that doesn't match the size".
     run = [

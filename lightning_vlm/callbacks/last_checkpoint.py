@@ -79,7 +79,7 @@ class LastCheckpoint(ModelCheckpoint):
         super().on_train_start(trainer, pl_module)
         self._step_before = trainer.global_step
         last = Path(self.dirpath or "") / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
-        if trainer.ckpt_path is None and self.dirpath and last.is_file():
+        if trainer.ckpt_path is None and self.dirpath and last.exists():  # a file, or a sharded (FSDP) folder
             rank_zero_warn(
                 f"{last} holds an earlier run's state, which this run (resuming nothing) replaces at its first "
                 "save: resume it with ckpt_path=last, or give this run another hydra.run.dir"
