@@ -42,6 +42,28 @@ def logged_step(trainer: L.Trainer) -> int:
     return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
+# Settings that hold credentials (the vLLM server's api_key, from $VLLM_API_KEY): kept out of what loggers
+# upload. The run folder's .hydra/config.yaml keeps the unresolved ${oc.env:...} instead of the value.
+SECRET_KEYS = frozenset({"api_key", "token", "hub_token", "access_token", "password", "secret"})
+HIDDEN = "<hidden>"
+
+
+def loggable_config(cfg: Any) -> Any:
+    """``cfg`` resolved into plain containers for ``log_hyperparams``, with every credential (a
+    ``SECRET_KEYS`` setting that is set) replaced by ``<hidden>``."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if isinstance(cfg, DictConfig | ListConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    if isinstance(cfg, Mapping):
+        return {
+            k: HIDDEN if k in SECRET_KEYS and v is not None else loggable_config(v) for k, v in cfg.items()
+        }
+    if isinstance(cfg, list):
+        return [loggable_config(v) for v in cfg]
+    return cfg
+
+
 def _wandb_key_found() -> bool | None:
     """Whether wandb finds an API key for the server it would use: WANDB_BASE_URL, else the one
     ``wandb login --host`` saved in its settings file, else its cloud, whose host and ``~/.netrc`` entry

@@ -39,7 +39,14 @@ from lightning_vlm.callbacks.validated_step import ValidatedStep, validated_fina
 from lightning_vlm.ckpt_path import checkpoint_entries, checkpoint_to_load, last_checkpoint, restore_errors
 from lightning_vlm.data.image_budget import warn_changed_budget
 from lightning_vlm.hub_reach import offline_if_unreachable
-from lightning_vlm.loggers import WandbRunId, builds_wandb, ending_runs, start_runs, wandb_run_id
+from lightning_vlm.loggers import (
+    WandbRunId,
+    builds_wandb,
+    ending_runs,
+    loggable_config,
+    start_runs,
+    wandb_run_id,
+)
 from lightning_vlm.models.scale_guard import check_model_scale
 from lightning_vlm.parallel.collectives import launcher_rank, world_size
 from lightning_vlm.parallel.teardown import shut_down_at_exit
@@ -267,7 +274,7 @@ def _fit(
     warn_changed_budget(ckpt_path, entries.get("datamodule_hyper_parameters"), datamodule.hparams)
 
     for lg in trainer.loggers:
-        lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+        lg.log_hyperparams(loggable_config(cfg))
     initial: dict[str, float] = {}
     exports = publish_after_fit(trainer)  # their cards wait for the final validation below
     with restore_errors(ckpt_path, module), sigterm_exits(trainer):

@@ -111,3 +111,22 @@ def test_a_job_that_fails_before_fit_ends_its_wandb_run(tmp_path, monkeypatch, f
     with pytest.raises(Exception, match="no_such_option"):
         train(compose_train(["logger=wandb", "+trainer.no_such_option=1"], tmp_path))
     assert wandb.run is None
+
+
+def test_the_vllm_server_key_is_not_logged_as_a_hyperparameter(tmp_path, monkeypatch):
+    # generation=vllm_server reads its key from $VLLM_API_KEY; the resolved config went to log_hyperparams,
+    # so the key was uploaded with the W&B run's config and written to the CSV logger's hparams.yaml.
+    from omegaconf import OmegaConf
+
+    from helpers import compose_train
+    from lightning_vlm.loggers import HIDDEN, loggable_config
+
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret-demo")
+    cfg = compose_train(["method=grpo", "generation=vllm_server"], tmp_path)
+    logged, resolved = loggable_config(cfg), OmegaConf.to_container(cfg, resolve=True)
+    assert "s3cret-demo" in str(resolved) and "s3cret-demo" not in str(logged)
+    resolved["callbacks"]["vllm_generation"]["api_key"] = HIDDEN
+    assert logged == resolved  # the rest is logged as resolved
+    monkeypatch.delenv("VLLM_API_KEY")  # no key: nothing to hide, the setting logs as null
+    logged = loggable_config(compose_train(["method=grpo", "generation=vllm_server"], tmp_path))
+    assert logged["callbacks"]["vllm_generation"]["api_key"] is None
