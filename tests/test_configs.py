@@ -55,6 +55,10 @@ def test_real_model_configs_bind(model, tmp_path):
     # fp32 master weights for full fine-tuning; bf16 weights only under LoRA (the 7B)
     assert cfg.model.dtype == ("bfloat16" if cfg.model.lora else "float32")
     _bind(cfg.model)
+    # model.lora=null on a 7B config: full fine-tuning at its rate, on fp32 master weights (bf16 ones
+    # rounded every 1e-6 step away, with a warning only once the model had loaded)
+    full = compose_train([f"model={model}", "model.lora=null", "method=grpo"], tmp_path)
+    assert full.model.dtype == "float32" and full.method.optimizer.lr == 1e-6
 
 
 @pytest.mark.parametrize("method", group_options("method"))
