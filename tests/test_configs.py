@@ -306,3 +306,25 @@ def test_composing_creates_no_folder_and_eval_names_its_own(tmp_path, monkeypatc
     run = Path(cfg.hydra.run.dir)
     assert run.parent == tmp_path / "logs" / cfg.task_name / "evals" and run.is_dir()
     assert [p.name for p in (tmp_path / "logs" / cfg.task_name).iterdir()] == ["evals"]
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({}, 0),
+        ({"RANK": "3", "LOCAL_RANK": "1"}, 3),  # torchrun
+        ({"SLURM_PROCID": "5"}, 5),  # srun's task
+        ({"SLURM_PROCID": "0", "LOCAL_RANK": "3"}, 3),  # Lightning's child inside an sbatch script
+        ({"LOCAL_RANK": "0", "NODE_RANK": "1"}, 1),  # Lightning's launcher, first process of node 1
+    ],
+)
+def test_a_process_is_rank_0_only_when_its_launcher_says_so(environ, expected, monkeypatch):
+    # Lightning's launcher sets no RANK: its processes in an sbatch script inherited SLURM_PROCID=0 and
+    # every one logged (and would write a sweep's summary) as rank 0.
+    from lightning_vlm.parallel.collectives import launcher_rank
+
+    for key in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    assert launcher_rank() == expected

@@ -25,9 +25,15 @@ def rank() -> int:
 
 
 def launcher_rank() -> int:
-    """This process's global rank as its launcher set it (Lightning's own, torchrun, SLURM), readable
-    before any process group exists (0 when nothing launched it)."""
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("LOCAL_RANK", "0"))))
+    """This process's global rank as its launcher set it (torchrun: RANK, srun: SLURM_PROCID), readable
+    before any process group exists; 0 when nothing launched it. Lightning's own launcher sets no global
+    rank, only LOCAL_RANK and NODE_RANK, and its processes inside an sbatch script all inherit the
+    script's SLURM_PROCID=0: there a process counts as rank 0 only when each of them is 0 (else the first
+    that is not, which is its global rank on one machine)."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    ranks = (int(os.environ.get(key, "0")) for key in ("SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"))
+    return next((r for r in ranks if r), 0)
 
 
 def _all_reduce(x: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
