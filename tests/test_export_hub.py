@@ -72,6 +72,32 @@ def test_push_while_offline_fails_before_training(tmp_path, monkeypatch):
     assert not (tmp_path / "hf_model").exists() and not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.parametrize(
+    ("rank", "offline_here", "rank_0_verdict"),
+    [(1, True, None), (1, False, "the Hugging Face Hub is offline"), (0, True, "<its own>")],
+)
+def test_every_rank_raises_rank_0_s_verdict_on_the_push(
+    rank, offline_here, rank_0_verdict, tmp_path, monkeypatch
+):
+    # Each rank checked its own environment: one that could not push (another machine without HF_TOKEN)
+    # raised in setup alone, and the others waited in Lightning's post-setup barrier. Rank 0 uploads, so
+    # its verdict, broadcast, is what every rank raises.
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", offline_here)
+    monkeypatch.setenv("HF_TOKEN", "hf_" + "x" * 34)
+    received = (lambda own: own) if rank == 0 else (lambda own: rank_0_verdict)
+    trainer = SimpleNamespace(
+        is_global_zero=rank == 0, strategy=SimpleNamespace(broadcast=received, model=None)
+    )
+    export = ExportHFModel(str(tmp_path), push_to_hub=True, hub_model_id="me/tiny")
+    if rank_0_verdict is None:
+        export.setup(trainer, None, "fit")
+    else:
+        with pytest.raises(RuntimeError, match="Hub is offline"):
+            export.setup(trainer, None, "fit")
+
+
 def test_push_settings_are_checked_when_built(tmp_path):
     with pytest.raises(ValueError, match="hub_model_id"):
         ExportHFModel(str(tmp_path), push_to_hub=True)

@@ -85,7 +85,16 @@ class ExportHFModel(L.Callback):
             check_not_partitioned(trainer.strategy)
             check_orig_params(trainer.strategy, "callbacks.export")
         if stage == "fit" and self.push_to_hub is True:
-            check_can_push()
+            # Rank 0 uploads, so its environment decides, and every rank raises its verdict: a rank raising
+            # alone (another machine without HF_TOKEN) left the others in Lightning's post-setup barrier.
+            problem = None
+            if trainer.is_global_zero:
+                try:
+                    check_can_push()
+                except RuntimeError as error:
+                    problem = str(error)
+            if problem := trainer.strategy.broadcast(problem):
+                raise RuntimeError(problem)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         root = sharded_root(trainer.strategy.model)
