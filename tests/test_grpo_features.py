@@ -186,9 +186,13 @@ def test_mask_truncated_completions_drops_truncated_ones_from_the_loss(setup):
     assert_same_update(unmasked, everything)
     # one completion per micro-batch: the truncated ones' micro-batches have nothing left in the loss, and
     # still backpropagate (zero gradients) instead of failing; the step is the same
-    micro, _ = step_update(path, GRPO, rows, rollouts, reward_funcs=[table_reward(rollouts, REWARDS)],
-                           mask_truncated_completions=True, micro_batch_size=1)  # fmt: skip
+    micro, micro_metrics = step_update(path, GRPO, rows, rollouts, reward_funcs=[table_reward(rollouts, REWARDS)],
+                                       mask_truncated_completions=True, micro_batch_size=1)  # fmt: skip
     assert_same_update(micro, expected)
+    # and its stats describe the completions left: the masked ones' micro-batches added a 0 at full
+    # weight (ratio/mean 0.5 on policy, where ratio/min was 1; the entropy halved)
+    assert micro_metrics["train/ratio/mean"] == pytest.approx(1.0) == metrics["train/ratio/mean"]
+    assert micro_metrics["train/entropy"] == pytest.approx(metrics["train/entropy"], rel=1e-4)
 
 
 def test_entropy_mask_zeroes_the_surrogate_only_not_the_kl_or_the_normaliser():

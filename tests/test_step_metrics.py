@@ -76,3 +76,19 @@ def test_tied_groups_are_the_groups_the_zero_std_filter_drops():
     for _ in range(200):
         group = torch.randint(0, 3, (4,)).float().masked_fill(torch.rand(4) < 0.3, nan)
         assert bool(tied_groups(group[None])[0]) is not zero_std_filter(group, group[:, None])
+
+
+def test_a_diverged_step_s_nan_loss_is_logged_and_an_undescribed_stat_is_left_out():
+    # step_value averaged the steps with a value, which was meant for Online DPO's stats of a step of ties
+    # (NaN: nothing to describe) but took the loss too: a generation whose last step diverged logged the
+    # loss of the one before.
+    from lightning_vlm.methods.online_metrics import stat_weights, step_value
+
+    nan = torch.tensor(float("nan"))
+    assert step_value("loss", [torch.tensor(0.3), nan]).isnan()
+    assert step_value("rewards/margins", [torch.tensor(0.3), nan]) == pytest.approx(0.3)
+    # a micro-batch whose completions are all masked weighs nothing in its step's stats; a step with
+    # none left is NaN (left out above)
+    mask = torch.tensor([[1, 1], [0, 0], [1, 0], [0, 0]])
+    assert stat_weights(mask, [torch.tensor([0]), torch.tensor([1]), torch.tensor([2, 3])]) == [0.5, 0.0, 0.5]
+    assert all(w != w for w in stat_weights(mask, [torch.tensor([1]), torch.tensor([3])]))

@@ -50,6 +50,7 @@ from lightning_vlm.methods.online_metrics import (
     log_synced,
     pooled_correction,
     rollout_metrics,
+    stat_weights,
     step_value,
 )
 from lightning_vlm.methods.online_sampling import RolloutSampling
@@ -232,6 +233,7 @@ class OnlineRL(KeepsReference, RootCalls, RolloutSampling):
             step = Step(torch.cat(micro_batches).to(self.device), step_counts)
             opt.zero_grad()
             step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
+            weights = stat_weights(batch.completion_mask, micro_batches)
             for j, index in enumerate(micro_batches):
                 # Gradients are all-reduced once per optimizer step, on its last micro-batch.
                 sync = j == len(micro_batches) - 1
@@ -242,10 +244,9 @@ class OnlineRL(KeepsReference, RootCalls, RolloutSampling):
                     self.manual_backward(loss)
                 step_metrics["loss"].append(loss.detach())
                 for k, v in stats.items():
-                    # Detached: a stat kept with its graph (the entropy's) holds that graph's saved tensors,
-                    # [tokens, vocabulary] each, until the generation's last step
+                    # Detached: kept with its graph (the entropy's), a stat held [tokens, vocabulary] tensors
                     v = v.detach()
-                    step_metrics[k].append(v if k.endswith(EXTREMES) else v * len(index) / len(step.index))
+                    step_metrics[k].append(v if k.endswith(EXTREMES) else v * weights[j])
             # One value per step (its micro-batches' weighted terms summed); extremes keep every value.
             for k, values in step_metrics.items():
                 metrics[k] += values if k.endswith(EXTREMES) else [torch.stack(values).sum()]

@@ -113,6 +113,8 @@ def step_value(name: str, values: list[torch.Tensor]) -> torch.Tensor:
     step) over the steps that had something to describe (a step of Online DPO ties gives NaN: left out,
     not averaged in as 0; NaN if none had)."""
     stacked = torch.stack(values)
+    if name == "loss":  # a diverged step's NaN shows, where a mean over the others hid it
+        return stacked.mean()
     if not name.endswith(EXTREMES):
         described = ~stacked.isnan()
         return stacked[described].sum() / described.sum()
@@ -120,6 +122,18 @@ def step_value(name: str, values: list[torch.Tensor]) -> torch.Tensor:
     if not described.numel():
         return torch.full((), math.nan, device=stacked.device)
     return described.min() if name.endswith("/min") else described.max()
+
+
+def stat_weights(mask: torch.Tensor, micro_batches: list[torch.Tensor]) -> list[float]:
+    """Each micro-batch's weight in its optimizer step's statistics: its share of the step's completions
+    left in the loss (``mask``: [completions, tokens]). A micro-batch whose completions are all masked
+    (``mask_truncated_completions``) has nothing to describe: weighted by its completions, its stats' 0
+    read as ratio/mean 0.5 on policy and a halved entropy. NaN for a step with none left (``step_value``
+    leaves the step out)."""
+    active = (mask.sum(-1) > 0).cpu()
+    counts = [int(active[index.cpu()].sum()) for index in micro_batches]
+    total = sum(counts)
+    return [c / total if total else math.nan for c in counts]
 
 
 def log_synced(module: L.LightningModule, values: dict[str, torch.Tensor], batch_size: int) -> None:
