@@ -84,8 +84,11 @@ def _wandb_key_found() -> bool | None:
         if config_dir
         else Path.home() / ".config" / "wandb" / "settings"
     )
-    settings.update_from_system_settings()
-    settings.update_from_env_vars(dict(os.environ))
+    try:
+        settings.update_from_system_settings()
+        settings.update_from_env_vars(dict(os.environ))
+    except AttributeError:  # a wandb whose settings read otherwise: the environment is what is left
+        return None
     try:
         return bool(settings.api_key or wbnetrc.read_netrc_auth(host=settings.base_url))
     except AuthenticationError:  # a key wandb refuses, saying why: the run tries, then falls back to CSV
