@@ -11,7 +11,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 import lightning_vlm.config  # noqa: F401  (resolvers)
 
@@ -39,9 +39,11 @@ def compose_train(
         cfg.hydra.runtime.output_dir = str(output_dir or ROOT / "logs" / "tests")
         cfg.hydra.job.num = 0
         # As Hydra leaves them resolved: each folder is created when its name resolves (config.py), and a
-        # test's train() resolves the whole config (hparams), hydra node included.
-        cfg.hydra.run.dir = cfg.hydra.runtime.output_dir
-        cfg.hydra.sweep.dir = cfg.hydra.runtime.output_dir
+        # test's train() resolves the whole config (hparams), hydra node included. A folder the test
+        # gives (hydra.sweep.dir=...) stays.
+        for node in (cfg.hydra.run, cfg.hydra.sweep):
+            if OmegaConf.is_interpolation(node, "dir"):
+                node.dir = cfg.hydra.runtime.output_dir
     HydraConfig.instance().set_config(cfg)
     return cfg
 
