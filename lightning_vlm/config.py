@@ -109,8 +109,8 @@ def _config_groups(sources: Any) -> str:
 def register_resolvers() -> None:
     """Registers `${tiny_vlm:<family>[,random|<warm start>]}` (path of an offline tiny model, or of one of
     its SFT warm starts, ``warm_start.WARM_STARTS``), `${times:<value>,<factor>}` (their product), `${if_lora:<lora node>,<full>,<adapters>}` and
-    `${run_stamp:<strftime pattern>}` (the run folder's name: :func:`launch_id`, else the time) and
-    `${run_folder:<parent>,<strftime pattern>}` (that folder, claimed for this run); safe to call twice."""
+    `${run_folder:<parent>,<strftime pattern>}` (the run folder, named after :func:`launch_id`, else the
+    time, and claimed for this run); safe to call twice."""
     if not OmegaConf.has_resolver("tiny_vlm"):
         OmegaConf.register_new_resolver("tiny_vlm", _tiny_vlm, use_cache=True)
     if not OmegaConf.has_resolver("config_groups"):
@@ -123,11 +123,9 @@ def register_resolvers() -> None:
         # ${if_lora:${model.lora},<full rate>,<LoRA rate>}: a rate that follows whether adapters are trained,
         # so `lora=default` (or `model.lora=null` on a 7B config) needs no rate written by hand.
         OmegaConf.register_new_resolver("if_lora", lambda lora, full, adapters: adapters if lora else full)
-    if not OmegaConf.has_resolver("run_stamp"):
-        # Cached like Hydra's ${now:}: the folder is named once per process.
-        OmegaConf.register_new_resolver("run_stamp", _run_stamp, use_cache=True)
     if not OmegaConf.has_resolver("run_folder"):
-        # Cached too, and Hydra copies the cache into each sweep job's config: a sweep claims its folder once.
+        # Cached like Hydra's ${now:}: the folder is named once per process, and Hydra copies the cache into
+        # each sweep job's config, so a sweep claims its folder once.
         OmegaConf.register_new_resolver("run_folder", _run_folder, use_cache=True)
 
 

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-import lightning_vlm.config  # noqa: F401  (registers the ${tiny_vlm:...} and ${run_stamp:...} resolvers)
+import lightning_vlm.config  # noqa: F401  (registers the ${tiny_vlm:...} and ${run_folder:...} resolvers)
 from lightning_vlm.callbacks.completions import LogCompletions
 from lightning_vlm.callbacks.epoch_metrics import EpochMetricsEverywhere
 from lightning_vlm.callbacks.export import publish_after_fit

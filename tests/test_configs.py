@@ -214,7 +214,7 @@ def test_lora_default_keeps_a_7b_models_own_adapter_size(model, tmp_path):
         ({}, None),
     ],
 )
-def test_processes_of_one_launch_name_one_run_folder(environ, expected, monkeypatch):
+def test_processes_of_one_launch_name_one_run_folder(environ, expected, tmp_path, monkeypatch):
     # Every torchrun/SLURM process composes its own config: ${now:} could differ by a second between
     # ranks and split one run over two folders.
     from lightning_vlm.config import launch_id
@@ -230,7 +230,7 @@ def test_processes_of_one_launch_name_one_run_folder(environ, expected, monkeypa
         monkeypatch.delenv(key, raising=False)
     for key, value in environ.items():
         monkeypatch.setenv(key, value)
-    stamp = OmegaConf.create({"dir": "${run_stamp:%Y-%m-%d_%H-%M-%S}"}).dir
+    stamp = Path(OmegaConf.create({"dir": f"${{run_folder:{tmp_path},%Y-%m-%d_%H-%M-%S}}"}).dir).name
     if expected:
         assert stamp == expected
     else:  # the time, and a one-process SLURM job's id: array tasks starting together shared one folder

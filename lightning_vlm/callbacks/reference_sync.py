@@ -82,10 +82,10 @@ class ReferenceSync(L.Callback):
         root = sharded_root(trainer.strategy.model)
         trainable = {clean_name(n) for n, p in pl_module.vlm.hf_model.named_parameters() if p.requires_grad}
         if not trainable & dict(reference.copy.named_parameters()).keys():
-            # FSDP without use_orig_params names its flat parameters only: nothing would be mixed.
+            # Names that do not match (FSDP's flat parameters are refused by check above): nothing would be mixed.
             raise ValueError(
-                "callbacks.sync_ref finds none of the policy's trainable weights in the reference copy: under "
-                "trainer=fsdp set trainer.strategy.use_orig_params=true (conf/trainer/fsdp.yaml's)"
+                "callbacks.sync_ref finds none of the policy's trainable weights in the reference copy by "
+                "name, so it would mix nothing"
             )
 
         def parts() -> Iterator[dict[str, torch.Tensor]] | None:
