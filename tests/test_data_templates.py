@@ -17,6 +17,7 @@ from lightning_vlm.data import PromptDataModule, RowError, SFTDataModule
 from lightning_vlm.data.templates import RowFormat
 from lightning_vlm.generation.base import Rollouts
 from lightning_vlm.methods.val_tokens import ANSWER_MARGIN
+from lightning_vlm.models.chat_render import server_chat_template
 from lightning_vlm.models.encoding import render
 from lightning_vlm.models.tiny import TINY_FAMILIES
 from lightning_vlm.training import train
@@ -122,6 +123,27 @@ def test_every_tiny_chat_template_takes_a_system_turn(family, tiny_path):
     row = fmt.normalize({"problem": "What is 2 + 2?", "image": Image.new("RGB", (8, 8))}, 0, "data", None)
     rendered = render(processor, row["prompt"], add_generation_prompt=True)
     assert SYSTEM in rendered and rendered.index(SYSTEM) < rendered.index("What is 2 + 2?")
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_block_content_renders_as_text_and_a_vllm_server_renders_it_the_same(family, tiny_path):
+    # GLM-4.1V's template prints system and assistant content as it is: blocks would print as their repr.
+    processor = AutoProcessor.from_pretrained(tiny_path(family))
+    messages = [
+        {"role": "system", "content": [text("Be brief.")]},
+        {"role": "user", "content": [IMG, text("What colour?")]},
+        {"role": "assistant", "content": [text("red")]},
+        {"role": "user", "content": [text("And now?")]},
+    ]
+    rendered = render(processor, messages, add_generation_prompt=True)
+    assert "Be brief." in rendered and "red" in rendered and "'text'" not in rendered
+    # A vLLM server is handed content as blocks: the template it is given renders the same text.
+    template = server_chat_template(processor)
+    assert (template is not None) == (family == "glm4v")
+    served = processor.apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=True
+    )
+    assert served == rendered
 
 
 def test_an_image_placeholder_in_a_template_places_the_image():

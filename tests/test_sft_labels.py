@@ -184,6 +184,25 @@ def test_a_template_that_closes_no_answer_gets_the_end_of_turn_after_each_traine
     assert sum("closes an assistant answer with no" in r.message for r in caplog.records) == 1  # said once
 
 
+def test_glm_answers_end_with_the_user_token_that_opens_the_next_turn_never_twice(vlms, caplog):
+    # GLM-4.1V's template closes no turn: its models end an answer with "<|user|>" (one of the ids their
+    # generation config stops at), as GLM's fine-tuning trains them. A last answer gets it put after; an
+    # answer followed by a turn is trained up to that turn's own "<|user|>", which is not doubled.
+    from lightning_vlm.methods.preference_batch import answer_ids
+
+    vlm = vlms("glm4v")
+    assert vlm.end_of_turn == "<|user|>" and vlm.end_of_turn_id not in vlm.suppressed_token_ids
+    messages = [_user("Colour?"), _assistant("red"), _user("Sure?"), _assistant("yes")]
+    row = normalize_row({"messages": messages}, "sft")
+    assert labelled(vlm, row) == ["red<|user|>", "yes<|user|>"]
+    text = vlm.tokenizer.decode(vlm.encode_sft([row])["input_ids"][0])
+    assert text.endswith("<|assistant|>\nred<|user|>\nSure?<|assistant|>\nyes<|user|>"), text
+    # The answer a preference method scores is the same tokens, as generation ends it.
+    answer = answer_ids(vlm, row["messages"][:1], row["messages"][1:2], "test")
+    assert vlm.tokenizer.decode(answer) == "red<|user|>"
+    assert not [r for r in caplog.records if "closes an assistant answer with no" in r.message]
+
+
 def test_a_thinking_prefill_is_the_answers_own_start_not_inserted(vlms):
     # QwQ-style: the generation prompt ends with "<think>\n", which a row's answer carries itself with its
     # reasoning. Taken for Gemma's empty channel, it was put before the answer again: "<think>" twice.

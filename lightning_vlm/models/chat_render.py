@@ -1,7 +1,7 @@
 """Chat-templated text, and what a template's generation prompt is, found by rendering probes.
 
 Rows hold message content as typed blocks; templates differ in what they print (Gemma 4 prints a system
-turn's content as it is) and in how the generation prompt relates to a finished turn (Gemma 4's
+turn's content as it is, GLM-4.1V an assistant turn's too) and in how the generation prompt relates to a finished turn (Gemma 4's
 12B/26B/31B templates prefill an empty thought channel that finished turns lack). Each such fact is
 found once per processor and chat template by rendering a probe, and cached on the processor.
 """
@@ -30,8 +30,9 @@ def render(processor, messages: list[dict], add_generation_prompt: bool = False)
     A conversation the template refuses (real Gemma 3's and Mistral's raise on turns that do not alternate
     user/assistant) raises ``ValueError`` naming its turns; callers add which row it is.
     """
-    if _system_as_text(processor):
-        messages = [_text_content(m) if m["role"] == "system" else m for m in messages]
+    as_text = _roles_as_text(processor)
+    if as_text:
+        messages = [_text_content(m) if m["role"] in as_text else m for m in messages]
     try:
         return processor.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
@@ -73,26 +74,39 @@ def _cached(processor, name: str, probe: Callable[[], Any]) -> Any:
     return value
 
 
-def _system_as_text(processor) -> bool:
-    """Whether the chat template prints a system turn's content as it is, a string expected (Gemma 4's
-    trims ``messages[0]['content']``): rows hold content as blocks, whose list would be printed as its
-    Python repr."""
+def _roles_as_text(processor) -> frozenset[str]:
+    """The roles whose content the chat template prints as it is, a string expected (Gemma 4's trims a
+    system turn's ``messages[0]['content']``, GLM-4.1V's prints system and assistant content): rows hold
+    content as blocks, whose list would be printed as its Python repr."""
 
-    def probe() -> bool:
-        messages = [{"role": "system", "content": [{"type": "text", "text": _PROBE}]}, _USER]
-        try:
-            return f"'text': '{_PROBE}'" in processor.apply_chat_template(messages, tokenize=False)
-        except Exception:  # a template without system turns: rows with one fail where they are rendered
-            return False
+    def probe() -> frozenset[str]:
+        roles = set()
+        for role in ("system", "assistant"):
+            messages = [_USER, {"role": role, "content": [{"type": "text", "text": _PROBE}]}]
+            if role == "system":
+                messages.reverse()
+            try:
+                if f"'text': '{_PROBE}'" in processor.apply_chat_template(messages, tokenize=False):
+                    roles.add(role)
+            except Exception:  # a template without system turns: rows with one fail where they are rendered
+                pass
+        return frozenset(roles)
 
-    return _cached(processor, "_lightning_vlm_system_as_text", probe)
+    return _cached(processor, "_lightning_vlm_roles_as_text", probe)
 
 
 def _text_content(message: dict) -> dict:
-    """A message whose content blocks are all text, with its content as one string."""
+    """A message whose content blocks are all text, with its content as one string; one with an image in a
+    role the template prints as text is refused (GLM-4.1V's places images in user turns only)."""
     content = message["content"]
-    if isinstance(content, str) or any(block.get("type") != "text" for block in content):
+    if isinstance(content, str):
         return message
+    if any(block.get("type") != "text" for block in content):
+        kinds = sorted({str(block.get("type")) for block in content} - {"text"})
+        raise ValueError(
+            f"the model's chat template prints {message['role']} turns' content as text, so their "
+            f"{'/'.join(kinds)} blocks cannot be placed: put images in user turns"
+        )
     return {**message, "content": "".join(block.get("text") or "" for block in content)}
 
 
@@ -134,28 +148,39 @@ def answer_header(processor) -> tuple[str, str]:
     return _cached(processor, "_lightning_vlm_answer_header", probe)
 
 
-# Passes a system turn's text-only content as one string, as ``render`` does, to a template that prints it
-# as it is: vLLM's server hands templates that loop over content blocks (most VLMs') every message's
-# content as blocks, a system turn's too, and Gemma 4's would print their Python repr.
-_SYSTEM_AS_TEXT_PRELUDE = (
-    "{%- set _lightning_vlm = namespace(messages=[]) -%}"
-    "{%- for _message in messages -%}"
-    "{%- if _message['role'] == 'system' and _message['content'] is not string"
-    " and (_message['content'] | rejectattr('type', 'equalto', 'text') | list | length) == 0 -%}"
-    "{%- set _lightning_vlm.messages = _lightning_vlm.messages + [{'role': 'system',"
-    " 'content': _message['content'] | map(attribute='text') | join('')}] -%}"
-    "{%- else -%}{%- set _lightning_vlm.messages = _lightning_vlm.messages + [_message] -%}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- set messages = _lightning_vlm.messages -%}"
+# Passes a text-only content of the roles ``render`` gives as one string (``{roles}``) that way to a template
+# that prints it as it is: vLLM's server hands templates that loop over content blocks (most VLMs') every
+# message's content as blocks, and Gemma 4's or GLM-4.1V's would print their Python repr.
+_AS_TEXT_PRELUDE = (
+    "{{%- set _lightning_vlm = namespace(messages=[]) -%}}"
+    "{{%- for _message in messages -%}}"
+    "{{%- if _message['role'] in {roles} and _message['content'] is not string"
+    " and (_message['content'] | rejectattr('type', 'equalto', 'text') | list | length) == 0 -%}}"
+    "{{%- set _lightning_vlm.messages = _lightning_vlm.messages + [{{'role': _message['role'],"
+    " 'content': _message['content'] | map(attribute='text') | join('')}}] -%}}"
+    "{{%- else -%}}{{%- set _lightning_vlm.messages = _lightning_vlm.messages + [_message] -%}}{{%- endif -%}}"
+    "{{%- endfor -%}}"
+    "{{%- set messages = _lightning_vlm.messages -%}}"
 )
 
 
 def server_chat_template(processor) -> str | None:
     """The chat template a vLLM server needs to render prompts as ``render`` does, where it differs from
-    the processor's (a template printing system content as it is, Gemma 4's); None where it does not."""
-    if not _system_as_text(processor):
+    the processor's (a template printing system or assistant content as it is); None where it does not."""
+    roles = _roles_as_text(processor)
+    if not roles:
         return None
-    return _SYSTEM_AS_TEXT_PRELUDE + processor.chat_template
+    return _AS_TEXT_PRELUDE.format(roles=sorted(roles)) + processor.chat_template
+
+
+def opens_turns(processor, end_of_turn: str) -> bool:
+    """Whether ``end_of_turn`` is what the template's user turns open with (GLM-4.1V's ``<|user|>``): its
+    models end an answer with it, so a last answer's missing one is the format, not a template's lapse."""
+
+    def probe() -> bool:
+        return render(processor, [_USER]).find("?") > render(processor, [_USER]).find(end_of_turn) >= 0
+
+    return _cached(processor, f"_lightning_vlm_opens_turns_{end_of_turn}", probe)
 
 
 def warn_unclosed(processor, end_of_turn: str) -> None:

@@ -23,7 +23,7 @@ from PIL import Image
 from lightning_vlm.data.rows import COMPLETION_MESSAGES, LOSS
 from lightning_vlm.recurring import warn_recurring
 
-from .chat_render import adds_bos, answer_header, render, warn_unclosed
+from .chat_render import adds_bos, answer_header, opens_turns, render, warn_unclosed
 from .family_rules import image_token_id
 from .image_tokens import NUM_IMAGES_KEY
 from .token_boundaries import TYPE_ID_KEYS, is_token_key, placeholder_shift, split_straddling
@@ -41,7 +41,9 @@ def assistant_char_spans(
     Where the generation prompt prefills what a finished turn lacks (``answer_header``), the prefill is
     put before each trained turn, as prompt: the answer is trained after what generation conditions on.
     Where the template closes an answer with no end-of-turn (LLaVA-1.5's ends it with a space), it is
-    put after each trained answer, as LLaVA was trained: else the model never learns to stop.
+    put after each trained answer, as LLaVA was trained: else the model never learns to stop. Where the
+    next turn opens with it (GLM-4.1V's ``<|user|>``), an answer followed by a turn is trained up to it,
+    and a last answer gets it put after, as GLM's fine-tuning does.
     """
     text = render(processor, messages)
     header, prefill = answer_header(processor)
@@ -73,10 +75,14 @@ def assistant_char_spans(
         eot = upto.find(end_of_turn, len(prefix))
         if eot >= 0:
             spans.append((len(prefix), eot + len(end_of_turn), ""))
+        elif text.startswith(end_of_turn, len(upto)):
+            # The next turn opens with it (GLM-4.1V's "<|user|>"): the answer is trained to end there.
+            spans.append((len(prefix), len(upto) + len(end_of_turn), ""))
         else:
             # Right after the answer's text, before the template's trailing space: "red</s>", as LLaVA.
             spans.append((len(prefix), len(upto.rstrip()), end_of_turn))
-            warn_unclosed(processor, end_of_turn)
+            if not opens_turns(processor, end_of_turn):
+                warn_unclosed(processor, end_of_turn)
     return _with_insertions(text, spans, prefill)
 
 

@@ -112,6 +112,8 @@ _RECORDS = (
         vllm_cpu_dtype="bfloat16",
         input_modalities=("image", "video", "text"),
     ),
+    # GLM-4.1V: Qwen2-VL's patch layout and M-RoPE; its template closes no turn (see ``end_of_turn``).
+    _qwen("glm4v", "Glm4vTextDecoderLayer", "Glm4vVisionBlock"),
     Family(
         model_type="gemma3",
         hub_config="gemma3",

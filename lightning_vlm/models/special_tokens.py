@@ -26,15 +26,18 @@ END_OF_TURN_NAMES = ("<|im_end|>", "<end_of_turn>", "<end_of_utterance>", "<|eot
 
 
 def end_of_turn_token(processor, tokenizer) -> str:
-    """The token that closes an assistant turn: the first special token after its text in the template."""
+    """The token that closes an assistant turn: the first special token after its text in the template, up
+    to the next turn's header where no token closes the turn (GLM-4.1V's models end an answer with the
+    ``<|user|>`` that opens the next turn, one of the ids their generation config stops at)."""
     probe = [
         {"role": "user", "content": [{"type": "text", "text": "hi"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "ZQXJ"}]},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
     ]
     try:
         tail = encoding.render(processor, probe).split("ZQXJ", 1)[1]
         specials = set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab())
-        for token in tokenizer.tokenize(tail):
+        for token in tokenizer.tokenize(tail.split("hi", 1)[0]):
             if token in specials:
                 return token
     except (IndexError, ValueError, TypeError):

