@@ -162,7 +162,8 @@ def _merge_adapter_folder(args: argparse.Namespace) -> None:
 
 def _rendering_template(args: argparse.Namespace) -> str | None:
     """A file holding the chat template that renders prompts as the trainer does, where the model's own
-    would not (``server_chat_template``: Gemma 4's system turns); None to keep the model's."""
+    would not (``server_chat_template``: Gemma 4's system turns, GLM-4.1V's system and assistant turns); None
+    to keep the model's."""
     from transformers import AutoProcessor
 
     from lightning_vlm.models.chat_render import server_chat_template
@@ -181,8 +182,8 @@ def _rendering_template(args: argparse.Namespace) -> str | None:
     with tempfile.NamedTemporaryFile("w", suffix=".jinja", prefix="lightning-vlm-", delete=False) as file:
         file.write(template)
     atexit.register(Path(file.name).unlink, missing_ok=True)
-    print(f"lightning_vlm.serve: chat template {file.name} (system content passed as text, as the trainer "
-          "renders it)", file=sys.stderr)  # fmt: skip
+    print(f"lightning_vlm.serve: chat template {file.name} (system and assistant content passed as text, as "
+          "the trainer renders it)", file=sys.stderr)  # fmt: skip
     return file.name
 
 

@@ -12,6 +12,12 @@ SYSTEM_AS_IS = (
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# As SYSTEM_AS_IS, with an assistant turn's content printed as it is too, as GLM-4.1V's template prints it.
+TEXT_AS_IS = SYSTEM_AS_IS.replace(
+    "{% if m.content is string %}", "{% if m.content is string or m.role == 'assistant' %}"
+)
+assert TEXT_AS_IS != SYSTEM_AS_IS
+
 # Shaped like llava-hf/llava-1.5's: "USER: <image>\n... ASSISTANT: answer " with images first, and an answer
 # closed by a space, no end-of-turn token.
 LLAVA_1_5 = (

@@ -200,6 +200,17 @@ def test_glm_answers_end_with_the_user_token_that_opens_the_next_turn_never_twic
     # The answer a preference method scores is the same tokens, as generation ends it.
     answer = answer_ids(vlm, row["messages"][:1], row["messages"][1:2], "test")
     assert vlm.tokenizer.decode(answer) == "red<|user|>"
+    # An answer before a system turn is trained as rendered: no empty user turn is invented for it.
+    messages = [
+        _user("Colour?"),
+        _assistant("red"),
+        {"role": "system", "content": "Be brief."},
+        *messages[2:],
+    ]
+    row = normalize_row({"messages": messages}, "sft")
+    assert labelled(vlm, row) == ["red", "yes<|user|>"]
+    text = vlm.tokenizer.decode(vlm.encode_sft([row])["input_ids"][0])
+    assert "red<|system|>\nBe brief.<|user|>\nSure?" in text, text
     assert not [r for r in caplog.records if "closes an assistant answer with no" in r.message]
 
 

@@ -18,7 +18,7 @@ import sys
 import pytest
 import requests
 import torch
-from _chat_templates import SYSTEM_AS_IS
+from _chat_templates import TEXT_AS_IS
 from _server_probes import MAX_REQUEST_MB, CrashEngineAndRestart, Served
 from _vllm_scenarios import _compare, _greedy, _rows, _sampled, _train_step
 
@@ -37,11 +37,11 @@ GRPO = [
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_path, tmp_path_factory) -> str:
-    """The tiny Qwen2.5-VL whose chat template prints a system turn's content as it is, as Gemma 4's
-    does (other turns render as the tiny Qwen's): the server must get system content as text too."""
+    """The tiny Qwen2.5-VL whose chat template prints a system or assistant turn's content as it is, as
+    Gemma 4's and GLM-4.1V's do (user turns render as the tiny Qwen's): the server must get it as text too."""
     folder = tmp_path_factory.mktemp("system_as_is") / "model"
     shutil.copytree(tiny_path("qwen2_5_vl"), folder)
-    (folder / "chat_template.jinja").write_text(SYSTEM_AS_IS)
+    (folder / "chat_template.jinja").write_text(TEXT_AS_IS)
     return str(folder)
 
 
@@ -64,6 +64,13 @@ def vlm(model_dir):
 def _with_system(rows: list[dict]) -> list[dict]:
     system = {"role": "system", "content": [{"type": "text", "text": "Answer with one word."}]}
     return [{**row, "prompt": [system, *row["prompt"]]} for row in rows]
+
+
+def _with_answer(rows: list[dict]) -> list[dict]:
+    """Multi-turn prompts: an earlier answer, then the user's next question."""
+    turns = [{"role": "assistant", "content": [{"type": "text", "text": "Red."}]},
+             {"role": "user", "content": [{"type": "text", "text": "Sure?"}]}]  # fmt: skip
+    return [{**row, "prompt": [*row["prompt"], *turns]} for row in rows]
 
 
 def test_the_client_tells_unreachable_from_timed_out_and_logs_its_retries(caplog):
@@ -159,10 +166,11 @@ def test_generation_and_both_weight_transfers_match_hf(served, vlm):
         after = _compare(vlm, generator)
         assert after["vllm"] == after["hf"] and after["logprob_max_diff"] < 1e-3, transfer
         assert generator.client.weight_version() == f"test-{transfer}"
-    # A system prompt reaches the server's template as text, as the policy renders it (our launcher).
-    rows = _with_system(_rows())
-    after = _compare(vlm, generator, rows)
-    assert after["vllm"] == after["hf"] and after["logprob_max_diff"] < 1e-3
+    # System prompts and earlier answers reach the server's template as text, as the policy renders them
+    # (our launcher).
+    for rows in (_with_system(_rows()), _with_answer(_rows())):
+        after = _compare(vlm, generator, rows)
+        assert after["vllm"] == after["hf"] and after["logprob_max_diff"] < 1e-3
     hot = _sampled(vlm, generator)  # sampled: grouping, end-of-turn, vLLM's log-probs vs the trainer's
     assert hot["hot"]["num_generations"] == 4 and len(hot["hot"]["ids"]) == 4 * 3
     assert hot["sampled_logprob_max_diff"] < 1e-3
@@ -352,6 +360,10 @@ def test_vllms_own_entry_point_in_dev_mode_serves_and_takes_weights(vlm, model_d
             generator.generate(_rows(1), 2, SamplingSettings(max_new_tokens=4, temperature=0.7))
         with pytest.raises(VLLMServerError, match="renders a prompt with a system turn unlike the policy"):
             generator.generate(_with_system(_rows(1)), 1, _greedy())
+        with pytest.raises(
+            VLLMServerError, match="renders a prompt without a system turn and with an earlier answer unlike"
+        ):
+            generator.generate(_with_answer(_rows(1)), 1, _greedy())
         with pytest.raises(VLLMServerError, match="weight_transfer=body needs lightning_vlm's plugin"):
             VLLMServerGenerator(vlm, client, transfer="body")
         generator.close()

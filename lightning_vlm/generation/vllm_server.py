@@ -65,8 +65,14 @@ def openai_messages(messages: list[dict], images: list[Any]) -> list[dict]:
     return out
 
 
-def _has_system(messages: list[dict]) -> bool:
-    return any(m["role"] == "system" for m in messages)
+def _shape(messages: list[dict]) -> tuple[bool, bool]:
+    """What a prompt holds that templates render their own way: a system turn, an earlier answer."""
+    roles = {m["role"] for m in messages}
+    return "system" in roles, "assistant" in roles
+
+
+def _text_turn(role: str, text: str) -> dict:
+    return {"role": role, "content": [{"type": "text", "text": text}]}
 
 
 def chat_body(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -123,19 +129,21 @@ class VLLMServerGenerator:
         self._folders: list[Path] = []  # this generator's pushes (only these are ever deleted)
         self._sharded = False
         self.resyncs = 0
-        self._rendering_checked: set[bool] = set()  # prompt shapes (with a system turn or not) checked
+        self._rendering_checked: set[tuple[bool, bool]] = set()  # prompt shapes checked (see _shape)
         self._images_checked = False  # image tokens per image compared with the policy's, once
         self._logprobs_checked = False  # the server's log-probs mode, probed at the first sampled generation
 
-    def _check_rendering(self, system: bool) -> None:
+    def _check_rendering(self, shape: tuple[bool, bool]) -> None:
         """Refuse a server whose chat template renders a prompt unlike the policy's: its completions would
-        answer another prompt than the one trained on. One probe per shape (a system turn or not), text
-        only; the server returns the token ids it rendered (``return_token_ids``)."""
+        answer another prompt than the one trained on. One probe per shape (``_shape``: a system turn or
+        not, an earlier answer or not), text only; the server returns the token ids it rendered
+        (``return_token_ids``)."""
+        system, answered = shape
         messages = list(PROBE_MESSAGES)
+        if answered:
+            messages += [_text_turn("assistant", "Red."), _text_turn("user", "And now?")]
         if system:
-            messages.insert(
-                0, {"role": "system", "content": [{"type": "text", "text": "Answer in one word."}]}
-            )
+            messages.insert(0, _text_turn("system", "Answer in one word."))
         special = adds_bos(self.vlm.processor)
         ours = self.vlm.tokenizer(
             render(self.vlm.processor, messages, add_generation_prompt=True), add_special_tokens=special
@@ -145,15 +153,17 @@ class VLLMServerGenerator:
         )
         theirs = answer.get("prompt_token_ids")
         if theirs is not None and list(theirs) != list(ours):
-            shape = "with a system turn" if system else "without a system turn"
-            raise VLLMServerError(
-                f"vLLM server at {self.client.url} renders a prompt {shape} unlike the policy: it gives "
-                f"{self.vlm.tokenizer.decode(theirs)!r}, the policy {self.vlm.tokenizer.decode(ours)!r}. Serve "
-                "the policy's model folder with `python -m lightning_vlm.serve` (it passes system content "
-                "as text to templates that print it as it is, Gemma 4's), or give the server the policy's "
-                "chat template (--chat-template)"
+            said = " and ".join(
+                [f"{'with' if system else 'without'} a system turn", *(["with an earlier answer"] * answered)]
             )
-        self._rendering_checked.add(system)
+            raise VLLMServerError(
+                f"vLLM server at {self.client.url} renders a prompt {said} unlike the policy: it gives "
+                f"{self.vlm.tokenizer.decode(theirs)!r}, the policy {self.vlm.tokenizer.decode(ours)!r}. Serve "
+                "the policy's model folder with `python -m lightning_vlm.serve` (it passes system and "
+                "assistant content as text to templates that print it as it is, Gemma 4's and GLM-4.1V's), "
+                "or give the server the policy's chat template (--chat-template)"
+            )
+        self._rendering_checked.add(shape)
 
     def _check_logprobs(self) -> None:
         """Refuse a server whose log-probs are raw (vLLM's default mode), not those of the distribution it
@@ -199,8 +209,8 @@ class VLLMServerGenerator:
         params = chat_body(
             sampling_kwargs(sampling, num_generations, vlm.end_of_turn_id, vlm.suppressed_token_ids)
         )
-        for system in sorted({_has_system(r["prompt"]) for r in rows} - self._rendering_checked):
-            self._check_rendering(system)
+        for shape in sorted({_shape(r["prompt"]) for r in rows} - self._rendering_checked):
+            self._check_rendering(shape)
         if not sampling.greedy and not self._logprobs_checked:  # greedy answers' log-probs feed nothing
             self._check_logprobs()
         seeds = request_seeds(self.seed, len(rows), num_generations)

@@ -156,8 +156,8 @@ _AS_TEXT_PRELUDE = (
     "{{%- for _message in messages -%}}"
     "{{%- if _message['role'] in {roles} and _message['content'] is not string"
     " and (_message['content'] | rejectattr('type', 'equalto', 'text') | list | length) == 0 -%}}"
-    "{{%- set _lightning_vlm.messages = _lightning_vlm.messages + [{{'role': _message['role'],"
-    " 'content': _message['content'] | map(attribute='text') | join('')}}] -%}}"
+    "{{%- set _lightning_vlm.messages = _lightning_vlm.messages + [dict(_message,"
+    " content=_message['content'] | map(attribute='text') | join(''))] -%}}"
     "{{%- else -%}}{{%- set _lightning_vlm.messages = _lightning_vlm.messages + [_message] -%}}{{%- endif -%}}"
     "{{%- endfor -%}}"
     "{{%- set messages = _lightning_vlm.messages -%}}"
@@ -178,7 +178,12 @@ def opens_turns(processor, end_of_turn: str) -> bool:
     models end an answer with it, so a last answer's missing one is the format, not a template's lapse."""
 
     def probe() -> bool:
-        return render(processor, [_USER]).find("?") > render(processor, [_USER]).find(end_of_turn) >= 0
+        answer = {"role": "assistant", "content": [{"type": "text", "text": _ANSWER_PROBE}]}
+        try:
+            text = render(processor, [_USER, answer, _USER])
+        except ValueError:  # a template refusing the turns: rows with them fail where they are rendered
+            return False
+        return text.partition(_ANSWER_PROBE)[2].startswith(end_of_turn)
 
     return _cached(processor, f"_lightning_vlm_opens_turns_{end_of_turn}", probe)
 

@@ -78,6 +78,10 @@ def assistant_char_spans(
         elif text.startswith(end_of_turn, len(upto)):
             # The next turn opens with it (GLM-4.1V's "<|user|>"): the answer is trained to end there.
             spans.append((len(prefix), len(upto) + len(end_of_turn), ""))
+        elif i < len(messages) - 1 and opens_turns(processor, end_of_turn):
+            # GLM's answer before a turn that does not open with it (a system turn): putting it there
+            # would invent an empty user turn, so the answer is trained as the template renders it.
+            spans.append((len(prefix), len(upto), ""))
         else:
             # Right after the answer's text, before the template's trailing space: "red</s>", as LLaVA.
             spans.append((len(prefix), len(upto.rstrip()), end_of_turn))

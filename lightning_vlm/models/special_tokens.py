@@ -32,12 +32,12 @@ def end_of_turn_token(processor, tokenizer) -> str:
     probe = [
         {"role": "user", "content": [{"type": "text", "text": "hi"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "ZQXJ"}]},
-        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "user", "content": [{"type": "text", "text": "QZXV"}]},
     ]
     try:
         tail = encoding.render(processor, probe).split("ZQXJ", 1)[1]
         specials = set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab())
-        for token in tokenizer.tokenize(tail.split("hi", 1)[0]):
+        for token in tokenizer.tokenize(tail.split("QZXV", 1)[0]):
             if token in specials:
                 return token
     except (IndexError, ValueError, TypeError):
