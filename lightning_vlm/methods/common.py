@@ -11,6 +11,7 @@ import lightning as L
 import torch
 
 from lightning_vlm.generation.base import Generator, Rollouts, SamplingSettings
+from lightning_vlm.methods.skipped_steps import SkippedStepsHoldSchedule
 from lightning_vlm.rewards.accuracy import answers_match
 
 log = logging.getLogger(__name__)
@@ -66,9 +67,10 @@ def turn_off_dropout(model: torch.nn.Module) -> None:
             module.p = 0.0
 
 
-class FactoryOptimized(L.LightningModule):
+class FactoryOptimized(SkippedStepsHoldSchedule):
     """The optimizer hooks of the methods Lightning optimises itself (SFT, DPO, KTO): the optimizer and
-    scheduler from their Hydra ``_partial_`` factories, and FSDP-aware gradient clipping."""
+    scheduler from their Hydra ``_partial_`` factories, FSDP-aware gradient clipping, and a schedule that
+    fp16 steps skipped for overflow do not advance."""
 
     optimizer_factory: Callable[..., torch.optim.Optimizer]
     scheduler_factory: Callable[..., Any] | None

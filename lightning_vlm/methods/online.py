@@ -56,6 +56,7 @@ from lightning_vlm.methods.online_metrics import (
 from lightning_vlm.methods.online_sampling import RolloutSampling
 from lightning_vlm.methods.reference_state import KeepsReference
 from lightning_vlm.methods.rollout_buffer import RolloutBatch, Step, check_rollout_counts, global_counts
+from lightning_vlm.methods.skipped_steps import step_holding_schedule
 from lightning_vlm.methods.step_layout import rank_chunks
 from lightning_vlm.models.reference import ReferenceModel
 from lightning_vlm.models.vlm import VLM
@@ -250,9 +251,7 @@ class OnlineRL(KeepsReference, RootCalls, RolloutSampling):
             # One value per step (its micro-batches' weighted terms summed); extremes keep every value.
             for k, values in step_metrics.items():
                 metrics[k] += values if k.endswith(EXTREMES) else [torch.stack(values).sum()]
-            opt.step()  # clips in on_before_optimizer_step
-            if sched is not None:
-                sched.step()
+            step_holding_schedule(self.trainer, opt, sched)  # clips in on_before_optimizer_step
             self.on_policy_update()
         # Loss terms add up over a step's micro-batches; the stats were weighted to a mean per step. Each
         # rank's loss is its share of the step's loss: the mean over ranks is the step's loss.
