@@ -128,6 +128,40 @@ def test_all_ranks_run_the_same_rounds():
     assert counts["generated"] == 6.0 and counts["groups_filtered"] == 0.0
 
 
+def test_a_group_with_no_completion_left_in_the_loss_is_dropped_whatever_its_rewards(tiny_path):
+    # mask_truncated_completions: a group whose completions were all cut off has no gradient, though its
+    # rewards differ; one with a finished completion still teaches (its advantage is not 0).
+    pool = [{"pattern": p, "id": i} for i, p in enumerate(["10", "01", "10", "10"])]
+    cut = {0: [True, True], 1: [True, False], 2: [True, True], 3: [False, False]}
+
+    def generate(rows, round_index):
+        rollouts = _rollouts(rows)
+        rollouts.truncated = [t for r in rows for t in cut[r["id"]]]
+        return rollouts
+
+    def score(rollouts):
+        return torch.tensor([[float(c)] for c in rollouts.completion_texts])
+
+    settings = DynamicSampling(enabled=True, max_num_gen_batches=2)
+    finished = lambda r: [not t for t in r.truncated]  # noqa: E731
+    rollouts, _, counts = collect(pool, settings, generate, score, lambda r, p: p.sum(-1), bool, finished)
+    # Round 0 keeps group 1 and drops group 0; round 1 draws group 2, all cut off too, which fills the step.
+    assert [r["id"] for r in rollouts.rows] == [1, 2]
+    assert counts["groups_kept"] == 1 and counts["groups_filtered"] == 2 and counts["groups_filled"] == 1
+    # Without the mask, groups 0 and 1 pass the filter in the first round.
+    rollouts, _, counts = collect(pool, settings, generate, score, lambda r, p: p.sum(-1), bool)
+    assert [r["id"] for r in rollouts.rows] == [0, 1] and counts["groups_filtered"] == 0
+    # The online methods tell collect which completions their loss keeps.
+    from lightning_vlm.methods.grpo import GRPO
+    from lightning_vlm.models.vlm import VLM
+
+    vlm, sample = VLM(tiny_path()), generate(pool[:2], 0)
+    for masked, expected in ((True, [False, False, False, True]), (False, [True] * 4)):
+        module = GRPO(vlm, optimizer=torch.optim.SGD, reward_funcs=["accuracy_reward"],
+                      mask_truncated_completions=masked, dynamic_sampling={"enabled": True})  # fmt: skip
+        assert module.in_loss(sample) == expected
+
+
 def test_a_custom_filter_sees_rewards_and_per_function():
     seen = []
 

@@ -15,6 +15,9 @@ filter may drop groups that would teach; if they fill a step, they train like an
 filter sees the rewards the loss trains on as far as they are known before any forward pass (Online
 DPO's include ``missing_eos_penalty``); RLOO's KL penalty (``beta`` > 0) comes later, so there a tied
 group, whose only signal is the KL, is dropped (DAPO has no KL term), and a filler group trains on it.
+Whatever the filter, a group none of whose completions is left in the loss (every one truncated, under
+``mask_truncated_completions``) is dropped too: it has no gradient, however its rewards differ (verl's DAPO
+filters on every sample's reward, and keeps it).
 Because the pool is the dataloader's batch and each round's sampling seed is derived from
 (seed, global_step, rank, round), a resumed run regenerates exactly what the uninterrupted one drew.
 Unused prompts of a pool are not revisited in that epoch: when the first round keeps enough groups,
@@ -193,13 +196,15 @@ def collect(
     score: Callable[[Rollouts], torch.Tensor],
     total: Callable[[Rollouts, torch.Tensor], torch.Tensor],
     everyone_has: Callable[[bool], bool],
+    in_loss: Callable[[Rollouts], Sequence[bool]] | None = None,
 ) -> tuple[Rollouts, torch.Tensor, dict[str, float]]:
     """Generate ``pool`` round by round until a round's worth of groups passes the filter.
 
     ``generate(rows, round)`` samples (seeded by the round), ``score`` gives [N, F] rewards,
     ``total(rollouts, per_function)`` the [N] rewards the method trains on (their weighted sum, less
     any penalty); ``everyone_has(done)`` is True when every rank is done (a collective, so all ranks
-    run the same rounds: FSDP's forwards must match). Returns the step's rollouts, their [N, F]
+    run the same rounds: FSDP's forwards must match); ``in_loss(rollouts)`` says which completions the loss
+    keeps (None: all). Returns the step's rollouts, their [N, F]
     rewards, and this rank's counts (rounds, generated, kept, filtered, filled groups).
     """
     size = settings.round_size(len(pool))
@@ -220,7 +225,11 @@ def collect(
             return rollouts, per_function, {}
         g = rollouts.num_generations
         rewards = total(rollouts, per_function).view(-1, g)
-        decisions = [bool(keep(rewards[i], per_function[i * g : (i + 1) * g])) for i in range(len(rewards))]
+        kept = [True] * len(rollouts) if in_loss is None else list(in_loss(rollouts))
+        decisions = [
+            any(kept[i * g : (i + 1) * g]) and bool(keep(rewards[i], per_function[i * g : (i + 1) * g]))
+            for i in range(len(rewards))
+        ]
         if got.num_kept < size:  # a full rank's draw only keeps the rounds aligned: not a filtering
             got.filtered += decisions.count(False)
         for passed, target in ((True, got.kept), (False, got.dropped)):

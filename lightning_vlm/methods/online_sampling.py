@@ -53,7 +53,7 @@ class RolloutSampling(L.LightningModule):
         start = time.perf_counter()
         rollouts, per_function, counts = collect(
             pool, self.dynamic_sampling, generate, lambda r: self.score(r)[0], self.train_rewards,
-            everyone_done,
+            everyone_done, self.in_loss,
         )  # fmt: skip
         seconds = time.perf_counter() - start  # the completions are on the host by now: nothing in flight
         counts.setdefault("generated", float(len(rollouts)))
@@ -92,6 +92,13 @@ class RolloutSampling(L.LightningModule):
         """The [N] rewards the loss trains on, as far as they are known at sampling time (dynamic
         sampling filters on them): the weighted sum of the reward functions."""
         return self.scorer.total(per_function)
+
+    def in_loss(self, rollouts: Rollouts) -> list[bool]:
+        """Which completions the loss keeps (a group with none cannot teach): under
+        ``mask_truncated_completions`` (TRL's), the finished ones."""
+        if self.hparams.mask_truncated_completions:
+            return [not t for t in rollouts.truncated]
+        return [True] * len(rollouts)
 
     @property
     def samples_per_prompt(self) -> int:
