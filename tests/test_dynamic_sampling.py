@@ -265,3 +265,31 @@ def test_online_dpo_filters_on_the_rewards_it_picks_pairs_by(tiny_path, penalty,
     metrics = fit_steps(module, rows).callback_metrics
     assert metrics["train/dynamic_sampling/groups_kept"] == kept
     assert metrics["train/dynamic_sampling/groups_filtered"] == filtered
+
+
+def _first_of_each_pair_wins(completions, **kwargs):
+    return [float(i % 2 == 0) for i in range(len(completions))]
+
+
+# Each pair's first answer wins but ran out of tokens. Masked, it can be in no pair (compute_advantages
+# drops such a pair): neither group can teach, and both are filtered; unmasked, the first round's teaches.
+@pytest.mark.parametrize(("masked", "kept", "filtered"), [(False, 1.0, 0.0), (True, 0.0, 2.0)])
+def test_online_dpo_under_the_mask_filters_out_a_group_with_one_finished_answer(
+    tiny_path, masked, kept, filtered
+):
+    from online_helpers import fit_steps, sample_rollouts, sgd
+
+    from lightning_vlm.data.synthetic import synthetic_rows
+    from lightning_vlm.methods.online_dpo import OnlineDPO
+    from lightning_vlm.models.vlm import VLM
+
+    vlm, rows = VLM(tiny_path("qwen2_5_vl")), synthetic_rows("prompt", 2, seed=3)
+    rollouts = sample_rollouts(vlm, rows, 2, max_new_tokens=4)
+    rollouts.truncated = [True, False, True, False]
+    module = OnlineDPO(vlm, optimizer=sgd(1e-3), reward_funcs=[_first_of_each_pair_wins], num_candidates=2,
+                       max_completion_length=4, mask_truncated_completions=masked,
+                       dynamic_sampling={"enabled": True, "max_num_gen_batches": 2})  # fmt: skip
+    module.generator = AskedGroups(rollouts)
+    metrics = fit_steps(module, rows).callback_metrics
+    assert metrics["train/dynamic_sampling/groups_kept"] == kept
+    assert metrics["train/dynamic_sampling/groups_filtered"] == filtered

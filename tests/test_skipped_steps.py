@@ -5,7 +5,10 @@ makes every step overflow, a scale of 1 none."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
+import torch
 
 from helpers import compose_train
 from lightning_vlm.training import train
@@ -44,3 +47,20 @@ def test_steps_skipped_for_overflow_leave_the_schedule_where_it_was(method, tmp_
     assert huge == pytest.approx(1.0e30 * 0.5**STEPS)  # every step overflowed and backed off...
     assert huge_steps == 0  # ...and none moved the schedule
     assert one == 1.0 and one_steps == STEPS  # no overflow: every step counts
+
+
+class _NotAScheduler:
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+
+@pytest.mark.parametrize("scheduler", [torch.optim.lr_scheduler.ReduceLROnPlateau, _NotAScheduler])
+def test_a_scheduler_that_is_not_stepped_per_optimizer_step_is_refused(scheduler, tiny_path):
+    # Lightning's own check of this is off where lr_scheduler_step is overridden, as here.
+    from lightning_vlm.methods.sft import SFT
+    from lightning_vlm.models.vlm import VLM
+
+    optimizer = functools.partial(torch.optim.SGD, lr=0.1)
+    module = SFT(VLM(tiny_path()), optimizer=optimizer, scheduler=functools.partial(scheduler))
+    with pytest.raises(ValueError, match="method.scheduler built a .*, not a torch.optim.lr_scheduler"):
+        module.configure_optimizers()

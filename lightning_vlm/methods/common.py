@@ -30,7 +30,15 @@ def configure_optimizers(
     _warn_half_precision_updates(params, opt)
     if scheduler is None:
         return opt
-    return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler(optimizer=opt), "interval": "step"}}
+    sched = scheduler(optimizer=opt)
+    # Lightning checks this only where lr_scheduler_step is not overridden (SkippedStepsHoldSchedule does).
+    lr = torch.optim.lr_scheduler
+    if isinstance(sched, lr.ReduceLROnPlateau) or not isinstance(sched, lr.LRScheduler):
+        raise ValueError(
+            f"method.scheduler built a {type(sched).__name__}, not a torch.optim.lr_scheduler.LRScheduler "
+            "stepped once per optimizer step (ReduceLROnPlateau, which needs a metric, is not one)"
+        )
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
 def clip_gradients(

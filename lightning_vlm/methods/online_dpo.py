@@ -131,8 +131,14 @@ class OnlineDPO(OnlineRL):
         return rewards - self.hparams.missing_eos_penalty * cut
 
     def train_rewards(self, rollouts: Rollouts, per_function: torch.Tensor) -> torch.Tensor:
-        """The rewards pairs are picked and judged by: ``missing_eos_penalty`` can break a tie, or make one."""
-        return self.penalized(self.scorer.total(per_function), rollouts.truncated)
+        """The rewards dynamic sampling filters on: those pairs are picked and judged by
+        (``missing_eos_penalty`` can break a tie, or make one), a masked truncated candidate's left out (it
+        is in no pair): a group needs two finished candidates that differ."""
+        rewards = self.penalized(self.scorer.total(per_function), rollouts.truncated)
+        if self.hparams.mask_truncated_completions:
+            cut = torch.tensor(rollouts.truncated, device=rewards.device)
+            rewards = rewards.masked_fill(cut, float("nan"))
+        return rewards
 
     def sample(self, pool: list[dict]) -> tuple[Rollouts, torch.Tensor]:
         """Sample ``num_candidates`` per prompt and keep (best, worst) by reward: the pair to train on."""
@@ -143,7 +149,7 @@ class OnlineDPO(OnlineRL):
                              f"num_candidates={k} were asked for")  # fmt: skip
         if k == 2:
             return rollouts, per_function
-        rewards = self.train_rewards(rollouts, per_function)
+        rewards = self.penalized(self.scorer.total(per_function), rollouts.truncated)
         # Masked, a truncated candidate could only make a pair that is dropped (compute_advantages).
         cut = torch.tensor(rollouts.truncated, device=rewards.device)
         index = best_and_worst(rewards, k, cut if self.hparams.mask_truncated_completions else None)

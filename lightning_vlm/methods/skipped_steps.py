@@ -4,14 +4,17 @@ Under ``precision=16-mixed`` the gradient scaler skips a step whose gradients ov
 start of a run, while it finds its scale). Lightning steps the scheduler after every optimizer step, skipped
 or not, so a warm-up or decay ran ahead of the updates actually made; HF's Trainer (TRL) steps it only
 after a step that was taken. A skipped step shows as a lower scale after the step than before it (the
-scaler backs off on overflow and grows only after a run of good steps), which is how accelerate tells too.
-bf16, fp32 and DeepSpeed (whose engine keeps its own loss scale) have no such scaler.
+scaler backs off on overflow and grows only after a run of good steps). DeepSpeed's engine keeps its own
+loss scale and says whether its last step was applied (Lightning steps the scheduler, not the engine,
+so the engine's own rule never runs). bf16 and fp32 skip nothing. Schedulers are stepped per optimizer step
+(``configure_optimizers``), so the flag always belongs to the step just made.
 """
 
 from __future__ import annotations
 
 import lightning as L
 from lightning.pytorch.plugins import FSDPPrecision, MixedPrecision
+from lightning.pytorch.strategies import DeepSpeedStrategy
 
 
 def loss_scale(trainer: L.Trainer) -> float | None:
@@ -23,6 +26,8 @@ def loss_scale(trainer: L.Trainer) -> float | None:
 
 def was_skipped(trainer: L.Trainer, scale_before: float | None) -> bool:
     """Whether the optimizer step just made was skipped for overflow (its scale, taken before, backed off)."""
+    if isinstance(trainer.strategy, DeepSpeedStrategy):  # not run here: DeepSpeed needs CUDA
+        return not trainer.strategy.model.was_step_applied()
     if scale_before is None:
         return False
     after = loss_scale(trainer)
