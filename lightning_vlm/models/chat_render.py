@@ -1,8 +1,8 @@
 """Chat-templated text, and what a template's generation prompt is, found by rendering probes.
 
 Rows hold message content as typed blocks; templates differ in what they print (Gemma 4 prints a system
-turn's content as it is, GLM-4.1V an assistant turn's too) and in how the generation prompt relates to a finished turn (Gemma 4's
-12B/26B/31B templates prefill an empty thought channel that finished turns lack). Each such fact is
+turn's content as it is, GLM-4.1V an assistant turn's too) and in how the generation prompt relates to a
+finished turn (Gemma 4's 12B/26B/31B templates prefill an empty thought channel that finished turns lack). Each such fact is
 found once per processor and chat template by rendering a probe, and cached on the processor.
 """
 

@@ -82,6 +82,19 @@ QWEN_IMAGE = {
     "merge_size": 2,
 }
 
+# The patch-14, 2x2-merge vision tower of Qwen2.5-VL and GLM-4.1V at tiny sizes (out_hidden_size: the
+# text width).
+QWEN_VISION = {
+    "depth": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_heads": 2,
+    "out_hidden_size": 64,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+}
+
 # The Qwen2-VL/2.5-VL processors require a video processor; images only are used here.
 QWEN2_VIDEO = {
     "video_processor": (
